@@ -1,0 +1,156 @@
+//! One structured error type for the whole library.
+//!
+//! Every failure ferroccl reports is a variant of [`Error`], carrying the facts a user needs
+//! to act on it (which key, which rank, how long it waited) rather than a formatted string.
+//! The C ABI maps these to `ncclResult_t` at its edge; Rust callers match on the variants.
+
+use std::io;
+use std::time::Duration;
+
+/// The result type used throughout ferroccl.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in ferroccl.
+///
+/// The enum is `#[non_exhaustive]`: later layers (transports, engine, C ABI) add variants
+/// without breaking callers that match on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A caller passed a value that can never be valid (bad rank, empty key list, …).
+    #[error("invalid argument: {what}")]
+    InvalidArgument {
+        /// What was wrong, naming the argument.
+        what: String,
+    },
+
+    /// A store key is longer than the store accepts.
+    #[error("store key of {len} bytes exceeds the limit of {max} bytes")]
+    KeyTooLong {
+        /// Length of the rejected key in bytes.
+        len: usize,
+        /// The limit in force.
+        max: usize,
+    },
+
+    /// A store value is larger than the store accepts.
+    #[error("store value of {len} bytes exceeds the limit of {max} bytes")]
+    ValueTooLarge {
+        /// Length of the rejected value in bytes.
+        len: usize,
+        /// The limit in force.
+        max: usize,
+    },
+
+    /// A store operation waited for keys that did not all appear in time.
+    #[error("{op} timed out after {waited:?}; keys still missing: {missing:?}")]
+    StoreTimeout {
+        /// The store operation (`wait`, `get`, `multi_get`, …).
+        op: &'static str,
+        /// How long it waited.
+        waited: Duration,
+        /// The keys that were still not set when it gave up.
+        missing: Vec<String>,
+    },
+
+    /// A stored value could not be used as the operation requires (e.g. `add` on a
+    /// key whose value is not a decimal integer).
+    #[error("store key {key:?}: {detail}")]
+    StoreValue {
+        /// The key whose value was unusable.
+        key: String,
+        /// Why it was unusable.
+        detail: String,
+    },
+
+    /// A TCP store client could not reach its server before the deadline.
+    #[error("could not connect to store server at {addr} within {waited:?}: {source}")]
+    StoreConnect {
+        /// Address of the server.
+        addr: String,
+        /// How long the client kept retrying.
+        waited: Duration,
+        /// The last connection error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The connection to a TCP store server broke (server gone, reset, or silent past the
+    /// store timeout) while an operation was in flight.
+    #[error("store server at {addr} failed during {op}: {source}")]
+    StoreConnection {
+        /// Address of the server.
+        addr: String,
+        /// The operation in flight.
+        op: &'static str,
+        /// The underlying I/O error (EOF shows as `UnexpectedEof`).
+        #[source]
+        source: io::Error,
+    },
+
+    /// A peer violated the store wire protocol.
+    #[error("store protocol error: {detail}")]
+    StoreProtocol {
+        /// What was malformed.
+        detail: String,
+    },
+
+    /// An environment variable needed for initialisation is missing or malformed.
+    #[error("environment variable {var}: {detail}")]
+    Env {
+        /// The variable's name.
+        var: String,
+        /// What was wrong with it.
+        detail: String,
+    },
+
+    /// Not every rank arrived at a bootstrap rendezvous before the deadline.
+    #[error(
+        "bootstrap {phase} timed out after {waited:?}: {} of {world_size} ranks missing: {missing:?}",
+        missing.len()
+    )]
+    BootstrapTimeout {
+        /// Which rendezvous (`all_gather`, `barrier`, …).
+        phase: String,
+        /// The number of ranks expected.
+        world_size: usize,
+        /// The ranks that never arrived.
+        missing: Vec<usize>,
+        /// How long this rank waited.
+        waited: Duration,
+    },
+
+    /// A rendezvous payload from another rank could not be decoded.
+    #[error("bootstrap: malformed data from rank {rank}: {detail}")]
+    BootstrapData {
+        /// The rank whose data was malformed.
+        rank: usize,
+        /// What was wrong.
+        detail: String,
+    },
+
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What ferroccl was doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(what: impl Into<String>) -> Self {
+        Error::InvalidArgument { what: what.into() }
+    }
+
+    /// Shorthand for [`Error::Io`] with a context string.
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! ferroccl: a collective communication library written from scratch in Rust.
+//!
+//! It does the job NCCL does for GPUs and Gloo does for CPUs: ranks find each other
+//! through a [`store`] and the [`bootstrap`] rendezvous, then run collectives over their
+//! own transports. See `README.md` for the status of each part and `DESIGN.md` (in the
+//! project's shared folder) for the direction.
+//!
+//! Layers, bottom to top, one module each:
+//! - [`error`]: the one structured [`Error`] enum.
+//! - [`types`]: [`DataType`] and [`ReduceOp`] with NCCL's numbering.
+//! - [`store`]: the control plane ([`store::TcpStore`], PyTorch-wire-compatible, and
+//!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
+//! - `bootstrap` (next): `UniqueId`, `env://` initialisation, peer-info
+//!   all-gather and barrier.
+//! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
+
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod store;
+pub mod trace;
+pub mod types;
+
+pub use error::{Error, Result};
+pub use types::{DataType, ReduceOp, Scalar};
