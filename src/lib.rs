@@ -10,12 +10,13 @@
 //! - [`types`]: [`DataType`] and [`ReduceOp`] with NCCL's numbering.
 //! - [`store`]: the control plane ([`store::TcpStore`], PyTorch-wire-compatible, and
 //!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
-//! - `bootstrap` (next): `UniqueId`, `env://` initialisation, peer-info
+//! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
 
 #![warn(missing_docs)]
 
+pub mod bootstrap;
 pub mod error;
 pub mod store;
 pub mod trace;
