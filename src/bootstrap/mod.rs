@@ -42,6 +42,10 @@ pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often a waiting rank logs the ranks it is still waiting for.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
 
+/// Longest a rank that hosts the store stays after a timed-out rendezvous, so that the
+/// ranks that did arrive can still learn which ranks are missing.
+const MAX_HOST_LINGER: Duration = Duration::from_secs(10);
+
 /// Settings of a rendezvous.
 #[derive(Clone, Debug)]
 pub struct BootstrapOptions {
@@ -87,6 +91,8 @@ pub struct Bootstrap {
     peers: Vec<PeerInfo>,
     /// Sequence number of the next rendezvous; every rank calls them in the same order.
     next_seq: AtomicU64,
+    /// Whether the store server runs in this process (and dies with it).
+    hosts_store: bool,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -112,6 +118,16 @@ impl Bootstrap {
         world_size: usize,
         options: &BootstrapOptions,
     ) -> Result<Self> {
+        Self::join(store, rank, world_size, options, false)
+    }
+
+    fn join(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        options: &BootstrapOptions,
+        hosts_store: bool,
+    ) -> Result<Self> {
         if world_size == 0 {
             return Err(Error::invalid(
                 "world size is 0; a job has at least one rank",
@@ -131,6 +147,7 @@ impl Bootstrap {
             timeout: options.timeout,
             peers: Vec::new(),
             next_seq: AtomicU64::new(0),
+            hosts_store,
         };
         boot.peers = boot.exchange_peer_info(&me)?;
         tracing::debug!(
@@ -170,7 +187,8 @@ impl Bootstrap {
             timeout: options.timeout,
             connect_timeout: options.timeout,
         };
-        let client = if env.rank == 0 && !env.agent_store {
+        let hosts_store = env.rank == 0 && !env.agent_store;
+        let client = if hosts_store {
             let any: IpAddr = if env.master_addr.parse::<std::net::Ipv6Addr>().is_ok() {
                 std::net::Ipv6Addr::UNSPECIFIED.into()
             } else {
@@ -196,7 +214,13 @@ impl Bootstrap {
         };
         let generation = CALLS.fetch_add(1, Ordering::Relaxed);
         let store = PrefixStore::new(format!("ferroccl/env/{generation}"), Arc::new(client));
-        let boot = Self::new(Arc::new(store), env.rank, env.world_size, options)?;
+        let boot = Self::join(
+            Arc::new(store),
+            env.rank,
+            env.world_size,
+            options,
+            hosts_store,
+        )?;
         Ok((boot, env))
     }
 
@@ -322,6 +346,28 @@ impl Bootstrap {
         self.store.multi_get(&refs)
     }
 
+    /// Records that this rank gave up on round `seq`. The rank hosting the store then
+    /// stays until every rank that arrived has given up too (at most
+    /// [`MAX_HOST_LINGER`]): leaving at once would make the others fail with "connection
+    /// reset" instead of learning which ranks are missing.
+    fn abandon_round(&self, seq: u64, arrived: usize) {
+        let key = format!("abandoned/{seq}");
+        let Ok(mut count) = self.store.add(&key, 1) else {
+            return;
+        };
+        if !self.hosts_store {
+            return;
+        }
+        let deadline = Instant::now() + self.timeout.min(MAX_HOST_LINGER);
+        while count < arrived as i64 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            match self.store.add(&key, 0) {
+                Ok(c) => count = c,
+                Err(_) => return,
+            }
+        }
+    }
+
     /// Publishes this rank's part of round `seq` and waits for every rank's.
     fn wait_round(&self, phase: &str, seq: u64, data: &[u8]) -> Result<()> {
         self.store.set(&Self::key(seq, self.rank), data)?;
@@ -336,11 +382,13 @@ impl Bootstrap {
                 Err(Error::StoreTimeout { missing, .. }) => {
                     waiting.retain(|&r| missing.contains(&Self::key(seq, r)));
                     if start.elapsed() >= self.timeout {
+                        let waited = start.elapsed();
+                        self.abandon_round(seq, self.world_size - waiting.len());
                         return Err(Error::BootstrapTimeout {
                             phase: phase.to_string(),
                             world_size: self.world_size,
                             missing: waiting,
-                            waited: start.elapsed(),
+                            waited,
                         });
                     }
                     tracing::warn!(
