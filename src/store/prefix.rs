@@ -9,7 +9,8 @@ use crate::error::{Error, Result};
 /// Wraps a store so that key `k` is stored as `prefix/k` (PyTorch's `PrefixStore`).
 ///
 /// Two prefix stores with different prefixes over one store never see each other's keys.
-/// Errors that name keys (timeouts) name them without the prefix, as the caller wrote them.
+/// Errors that name keys (timeouts, `add` on a non-counter) name them without the prefix,
+/// as the caller wrote them.
 #[derive(Clone)]
 pub struct PrefixStore {
     prefix: String,
@@ -70,6 +71,11 @@ impl PrefixStore {
                     missing,
                 }
             }
+            Error::StoreValue { key, detail } => {
+                let head = format!("{}/", self.prefix);
+                let key = key.strip_prefix(&head).map(str::to_string).unwrap_or(key);
+                Error::StoreValue { key, detail }
+            }
             other => other,
         }
     }
@@ -89,7 +95,9 @@ impl Store for PrefixStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.inner.add(&self.full(key), delta)
+        self.inner
+            .add(&self.full(key), delta)
+            .map_err(|e| self.strip(e))
     }
 
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {

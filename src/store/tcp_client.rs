@@ -166,6 +166,13 @@ impl TcpStore {
         Ok(n.max(0) as usize)
     }
 
+    /// Whether a fresh connection to the server succeeds (within a second).
+    fn server_answers(&self) -> bool {
+        self.addr.to_socket_addrs().is_ok_and(|mut addrs| {
+            addrs.any(|a| TcpStream::connect_timeout(&a, Duration::from_secs(1)).is_ok())
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -406,9 +413,10 @@ impl Store for TcpStore {
         msg.bytes(wire_key(key).as_bytes()).i64(delta);
         self.request("add", msg.as_slice(), |s| s.read_i64())
             .map_err(|e| match e {
-                // The server closes the connection when the value is not a counter.
+                // The server closes the connection when the value is not a counter; a
+                // server that died closes it too, and then refuses new connections.
                 Error::StoreConnection { source, .. }
-                    if source.kind() == io::ErrorKind::UnexpectedEof =>
+                    if source.kind() == io::ErrorKind::UnexpectedEof && self.server_answers() =>
                 {
                     Error::StoreValue {
                         key: key.to_string(),
