@@ -13,7 +13,7 @@
 //! `get` and `multi_get` wait for their keys up to the store's timeout; `add` keeps the
 //! counter as an ASCII decimal value (so `get` on a counter returns e.g. `b"42"`);
 //! `compare_set` follows PyTorch (a missing key with an empty `expected` is created);
-//! `wait` past its timeout fails with [`Error::StoreTimeout`](crate::Error::StoreTimeout)
+//! `wait` past its timeout fails with [`Error::StoreTimeout`]
 //! naming the keys still missing.
 
 mod file;
@@ -72,7 +72,7 @@ pub trait Store: Send + Sync {
     fn check(&self, keys: &[&str]) -> Result<bool>;
 
     /// Waits until every key in `keys` exists, or fails with
-    /// [`Error::StoreTimeout`](crate::Error::StoreTimeout) after `timeout`.
+    /// [`Error::StoreTimeout`] after `timeout`.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
 
     /// Deletes `key`; returns whether it existed.
