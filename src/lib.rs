@@ -13,6 +13,30 @@
 //! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
+//!
+//! # Example: four ranks as threads find each other
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ferroccl::bootstrap::{Bootstrap, BootstrapOptions};
+//! use ferroccl::store::{HashStore, Store};
+//!
+//! let store = HashStore::new();
+//! let ranks: Vec<_> = (0..4)
+//!     .map(|rank| {
+//!         let store: Arc<dyn Store> = Arc::new(store.clone());
+//!         std::thread::spawn(move || {
+//!             let boot = Bootstrap::new(store, rank, 4, &BootstrapOptions::default())?;
+//!             // Every rank contributes its rank number and receives everyone's.
+//!             boot.all_gather(&[rank as u8])
+//!         })
+//!     })
+//!     .collect();
+//! for handle in ranks {
+//!     assert_eq!(handle.join().unwrap()?, vec![vec![0], vec![1], vec![2], vec![3]]);
+//! }
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
 
 #![warn(missing_docs)]
 

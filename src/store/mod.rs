@@ -15,6 +15,21 @@
 //! `compare_set` follows PyTorch (a missing key with an empty `expected` is created);
 //! `wait` past its timeout fails with [`Error::StoreTimeout`]
 //! naming the keys still missing.
+//!
+//! ```
+//! use std::time::Duration;
+//! use ferroccl::store::{ServerOptions, Store, TcpStore, TcpStoreOptions};
+//!
+//! // Host a server on a free loopback port and talk to it, as PyTorch's
+//! // `TCPStore(is_master=True)` does.
+//! let store = TcpStore::host("127.0.0.1:0", ServerOptions::default(), TcpStoreOptions::default())?;
+//! store.set("answer", b"42")?;
+//! assert_eq!(store.get("answer")?, b"42");
+//! assert_eq!(store.add("answer", 1)?, 43); // counters are ASCII decimal
+//! let late = store.wait(&["answer", "missing"], Duration::from_millis(50));
+//! assert!(matches!(late, Err(ferroccl::Error::StoreTimeout { missing, .. }) if missing == ["missing"]));
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
 
 mod file;
 mod hash;
