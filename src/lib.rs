@@ -12,6 +12,7 @@
 //!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
 //! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
+//! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
 //!
 //! # Example: four ranks as threads find each other
@@ -42,9 +43,10 @@
 
 pub mod bootstrap;
 pub mod error;
+pub mod reduce;
 pub mod store;
 pub mod trace;
 pub mod types;
 
 pub use error::{Error, Result};
-pub use types::{DataType, ReduceOp, Scalar};
+pub use types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp, Scalar};

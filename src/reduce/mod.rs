@@ -1,0 +1,427 @@
+//! Host reduction kernels for every [`DataType`] × [`ReduceOp`].
+//!
+//! A collective resolves its reduction once into a [`Kernel`] (data type, op with its
+//! scalar converted to the element type, number of ranks) and then calls three
+//! byte-level entry points on chunks of its buffers, mirroring NCCL's device functions:
+//!
+//! - [`Kernel::pre`] on a rank's own contribution when it is first sent unreduced
+//!   (a copy, or `scalar * x` for pre-mul-sum);
+//! - [`Kernel::reduce`] to fold this rank's contribution into a received partial
+//!   (`a ⊕ pre(b)`);
+//! - [`Kernel::post`] on the final result (division by the number of ranks for avg).
+//!
+//! The `(dtype, op)` pair is dispatched once per call to a loop monomorphised for it.
+//! The loops are portable Rust that LLVM vectorises; on x86-64 the same loops also run
+//! as an AVX2 build, and `f16` uses the F16C conversion instructions, both chosen at run
+//! time from the CPU's features (see `benches/reduce.rs` for throughput).
+//!
+//! # Semantics (NCCL's)
+//!
+//! - Integers: sum and product wrap (two's complement); avg sums with wrap-around and
+//!   then divides truncating toward zero (`-7 / 3 == -2`), like NCCL's `FuncSumPostDiv`.
+//! - `f32` / `f64`: native IEEE arithmetic. Max and min are IEEE maxNum / minNum
+//!   (`f32::max`, like CUDA's `fmaxf` / `fminf`): a NaN loses to a number, and two NaNs
+//!   give NaN.
+//! - `f16`, `bf16`, `f8e4m3`, `f8e5m2`: each operation widens both operands to `f32`,
+//!   operates, and rounds the result back once, to nearest even; the 8-bit floats
+//!   saturate to their largest finite value (`__NV_SATFINITE`), so an `f8e5m2`
+//!   infinity in a sum becomes ±57344. `f32` is wide enough that this equals the
+//!   correctly rounded narrow operation (`__hadd`, `__hmul`, and NCCL's fp8-via-half
+//!   path).
+//! - Pre-mul-sum: `pre(x) = scalar * x`, rounded to the element type before it is added
+//!   (NCCL applies the pre-op when a contribution is loaded).
+//! - Avg: [`Kernel::reduce`] sums and [`Kernel::post`] divides by `nranks`: integers
+//!   truncating; floats by a true division in `f32` (`f64` for `f64`), rounded once.
+//!   NCCL instead multiplies by `1/nranks` rounded to the element type (in its post-op,
+//!   or as a pre-mul-sum in older releases), so for `nranks` not a power of two results
+//!   may differ from NCCL's in the last bit; ours is the correctly rounded quotient of
+//!   the computed sum.
+
+mod loops;
+mod num;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::ptr;
+
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+use crate::types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp};
+
+use self::num::Arith;
+
+/// Runs `$body` with the type alias `$T` bound to the Rust type of `$dtype`.
+macro_rules! with_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DataType::Int8 => {
+                type $T = i8;
+                $body
+            }
+            DataType::Uint8 => {
+                type $T = u8;
+                $body
+            }
+            DataType::Int32 => {
+                type $T = i32;
+                $body
+            }
+            DataType::Uint32 => {
+                type $T = u32;
+                $body
+            }
+            DataType::Int64 => {
+                type $T = i64;
+                $body
+            }
+            DataType::Uint64 => {
+                type $T = u64;
+                $body
+            }
+            DataType::Float16 => {
+                type $T = f16;
+                $body
+            }
+            DataType::Float32 => {
+                type $T = f32;
+                $body
+            }
+            DataType::Float64 => {
+                type $T = f64;
+                $body
+            }
+            DataType::Bfloat16 => {
+                type $T = bf16;
+                $body
+            }
+            DataType::Float8E4M3 => {
+                type $T = F8E4M3;
+                $body
+            }
+            DataType::Float8E5M2 => {
+                type $T = F8E5M2;
+                $body
+            }
+        }
+    };
+}
+
+/// The reduction, without its scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Sum,
+    Prod,
+    Max,
+    Min,
+    Avg,
+    PreMulSum,
+}
+
+/// A reduction resolved for one collective: dtype, op (with its scalar converted to the
+/// element type), and the number of ranks (for avg). Cheap to build, `Copy`.
+///
+/// ```
+/// use ferroccl::reduce::{Kernel, reduce_slice};
+/// use ferroccl::{DataType, ReduceOp};
+///
+/// let k = Kernel::new(DataType::Float32, ReduceOp::Sum, 2)?;
+/// let mut out = [0.0f32; 3];
+/// reduce_slice(&k, &mut out, &[1.0, 2.0, 3.0], &[10.0, 20.0, 30.0])?;
+/// assert_eq!(out, [11.0, 22.0, 33.0]);
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel {
+    dtype: DataType,
+    op: Op,
+    /// The pre-mul-sum scalar's bits in the element type (zero otherwise).
+    scalar: u64,
+    nranks: usize,
+}
+
+impl Kernel {
+    /// Resolves `op` for `dtype` over `nranks` ranks.
+    ///
+    /// [`ReduceOp::PreMulSum`]'s scalar is converted to the element type: every
+    /// [`Scalar`](crate::Scalar) variant is accepted for every type, converted with
+    /// [`Element::from_f64`] for floats (rounding to nearest, saturating for the 8-bit
+    /// floats) and with `as` casts for integers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `nranks` is 0.
+    pub fn new(dtype: DataType, op: ReduceOp, nranks: usize) -> Result<Self> {
+        if nranks == 0 {
+            return Err(Error::invalid(format!(
+                "reduction kernel for {op} on {dtype}: nranks must be at least 1, got 0"
+            )));
+        }
+        let (op, scalar) = match op {
+            ReduceOp::Sum => (Op::Sum, 0),
+            ReduceOp::Prod => (Op::Prod, 0),
+            ReduceOp::Max => (Op::Max, 0),
+            ReduceOp::Min => (Op::Min, 0),
+            ReduceOp::Avg => (Op::Avg, 0),
+            ReduceOp::PreMulSum(s) => (
+                Op::PreMulSum,
+                with_type!(dtype, T => T::from_scalar(s).to_raw()),
+            ),
+        };
+        Ok(Kernel {
+            dtype,
+            op,
+            scalar,
+            nranks,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    /// Whether [`pre`](Self::pre) changes data: true only for pre-mul-sum (otherwise it
+    /// is a plain copy, and a caller may skip it when source and destination coincide).
+    pub fn has_pre(&self) -> bool {
+        self.op == Op::PreMulSum
+    }
+
+    /// Whether [`post`](Self::post) changes data: true only for avg with
+    /// `nranks > 1` (dividing by one is the identity for every type, so the pass is
+    /// skipped for a single rank).
+    pub fn has_post(&self) -> bool {
+        self.op == Op::Avg && self.nranks > 1
+    }
+
+    /// `dst[i] = a[i] ⊕ pre(b[i])` for `i` in `0..count`, where `a` is an already-reduced
+    /// partial (or another rank's contribution already pre-processed) and `b` is this
+    /// rank's own contribution. `⊕` is sum for sum / avg / pre-mul-sum, product for
+    /// prod, max, min. For pre-mul-sum `pre(b) = scalar * b` (rounded to the element
+    /// type); avg only sums here and [`post`](Self::post) divides.
+    ///
+    /// # Safety
+    /// `a` and `b` are valid for reads of `count` elements and `dst` for writes of
+    /// `count` elements of [`dtype`](Self::dtype); `dst` may be exactly equal to `a` or to
+    /// `b` (in place) but must not partially overlap either. No alignment requirement.
+    pub unsafe fn reduce(&self, dst: *mut u8, a: *const u8, b: *const u8, count: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == DataType::Float16 && x86::has_f16c() {
+            let s = self.scalar as u16;
+            // SAFETY: F16C and AVX2 are present (checked); the rest is the caller's
+            // contract, in f16 elements.
+            unsafe { x86::reduce_f16(self.op, s, dst.cast(), a.cast(), b.cast(), count) };
+            return;
+        }
+        with_type!(self.dtype, T => {
+            // SAFETY: the caller's contract, in elements of T (the dtype's type).
+            unsafe { reduce_typed::<T>(self.op, self.scalar, dst.cast(), a.cast(), b.cast(), count) }
+        })
+    }
+
+    /// `dst[i] = pre(src[i])`: a copy, or `scalar * src[i]` for pre-mul-sum.
+    ///
+    /// # Safety
+    /// `src` is valid for reads and `dst` for writes of `count` elements; `dst` is either
+    /// exactly `src` or does not overlap it. No alignment requirement.
+    pub unsafe fn pre(&self, dst: *mut u8, src: *const u8, count: usize) {
+        if self.op != Op::PreMulSum {
+            if !ptr::eq(dst, src) {
+                // SAFETY: both valid for count elements of the dtype and, being distinct,
+                // non-overlapping (caller's contract).
+                unsafe { ptr::copy_nonoverlapping(src, dst, count * self.dtype.size()) }
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == DataType::Float16 && x86::has_f16c() {
+            // SAFETY: F16C and AVX2 are present (checked); the rest is the caller's
+            // contract, in f16 elements.
+            unsafe { x86::scale_f16(self.scalar as u16, dst.cast(), src.cast(), count) };
+            return;
+        }
+        with_type!(self.dtype, T => {
+            // SAFETY: the caller's contract, in elements of T.
+            unsafe { scale_typed::<T>(T::from_raw(self.scalar), dst.cast(), src.cast(), count) }
+        })
+    }
+
+    /// `buf[i] = post(buf[i])`: for avg, `buf[i] / nranks` (integers: truncating toward
+    /// zero, as NCCL does; floats: a division computed in `f32` for `f16`, `bf16` and
+    /// the 8-bit floats, in `f64` for `f64`, rounded back once); nothing for other ops
+    /// or when `nranks` is 1 (see [`has_post`](Self::has_post)).
+    ///
+    /// # Safety
+    /// `buf` is valid for reads and writes of `count` elements. No alignment requirement.
+    pub unsafe fn post(&self, buf: *mut u8, count: usize) {
+        if !self.has_post() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == DataType::Float16 && x86::has_f16c() {
+            // SAFETY: F16C and AVX2 are present (checked); the rest is the caller's
+            // contract, in f16 elements.
+            unsafe { x86::post_f16(self.nranks, buf.cast(), count) };
+            return;
+        }
+        with_type!(self.dtype, T => {
+            // SAFETY: the caller's contract, in elements of T.
+            unsafe { post_typed::<T>(self.nranks, buf.cast(), count) }
+        })
+    }
+
+    fn check<T: Element>(&self, what: &str) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::invalid(format!(
+                "{what}: slices of {} given to a kernel for {}",
+                T::DTYPE,
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// [`Kernel::reduce`] for one element type. One function per type keeps each small
+/// enough for LLVM to inline and vectorise all its loops; on x86-64 it runs an AVX2
+/// build of the same loops when the CPU has AVX2.
+///
+/// # Safety
+/// As [`Kernel::reduce`], in elements of `T`.
+#[inline(never)]
+unsafe fn reduce_typed<T: Arith>(
+    op: Op,
+    scalar: u64,
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2() {
+        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
+        return unsafe { x86::reduce_avx2(op, scalar, dst, a, b, n) };
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { reduce_body(op, scalar, dst, a, b, n) }
+}
+
+/// The loops of [`reduce_typed`], one per op.
+///
+/// # Safety
+/// As [`Kernel::reduce`], in elements of `T`.
+#[inline(always)]
+unsafe fn reduce_body<T: Arith>(
+    op: Op,
+    scalar: u64,
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match op {
+            Op::Sum | Op::Avg => loops::zip(dst, a, b, n, num::Add),
+            Op::Prod => loops::zip(dst, a, b, n, num::Mul),
+            Op::Max => loops::zip(dst, a, b, n, num::Max),
+            Op::Min => loops::zip(dst, a, b, n, num::Min),
+            Op::PreMulSum => loops::zip(dst, a, b, n, num::PreMulSum(T::from_raw(scalar))),
+        }
+    }
+}
+
+/// `dst[i] = s * src[i]` for pre-mul-sum's [`Kernel::pre`].
+///
+/// # Safety
+/// As [`Kernel::pre`], in elements of `T`.
+#[inline(never)]
+unsafe fn scale_typed<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2() {
+        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
+        return unsafe { x86::scale_avx2(s, dst, src, n) };
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { scale_body(s, dst, src, n) }
+}
+
+/// The loop of [`scale_typed`].
+///
+/// # Safety
+/// As [`Kernel::pre`], in elements of `T`.
+#[inline(always)]
+unsafe fn scale_body<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { loops::map(dst, src, n, num::Scale(s)) }
+}
+
+/// `buf[i] /= nranks` for avg's [`Kernel::post`].
+///
+/// # Safety
+/// As [`Kernel::post`], in elements of `T`.
+#[inline(never)]
+unsafe fn post_typed<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2() {
+        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
+        return unsafe { x86::post_avx2(nranks, buf, n) };
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { T::div_all(buf, n, nranks) }
+}
+
+fn check_len(what: &str, dst: usize, name: &str, len: usize) -> Result<()> {
+    if dst != len {
+        return Err(Error::invalid(format!(
+            "{what}: dst has {dst} elements but {name} has {len}"
+        )));
+    }
+    Ok(())
+}
+
+/// [`Kernel::reduce`] on typed slices: `dst[i] = a[i] ⊕ pre(b[i])`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if the lengths differ or `T` is not the kernel's dtype.
+pub fn reduce_slice<T: Element>(k: &Kernel, dst: &mut [T], a: &[T], b: &[T]) -> Result<()> {
+    k.check::<T>("reduce_slice")?;
+    check_len("reduce_slice", dst.len(), "a", a.len())?;
+    check_len("reduce_slice", dst.len(), "b", b.len())?;
+    // SAFETY: T is the kernel's dtype (Element is sealed, so T's layout is that dtype's),
+    // all three slices hold dst.len() elements, and the borrow rules keep dst from
+    // overlapping a or b.
+    unsafe {
+        k.reduce(
+            dst.as_mut_ptr().cast(),
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            dst.len(),
+        )
+    };
+    Ok(())
+}
+
+/// [`Kernel::pre`] on typed slices: `dst[i] = pre(src[i])`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if the lengths differ or `T` is not the kernel's dtype.
+pub fn pre_slice<T: Element>(k: &Kernel, dst: &mut [T], src: &[T]) -> Result<()> {
+    k.check::<T>("pre_slice")?;
+    check_len("pre_slice", dst.len(), "src", src.len())?;
+    // SAFETY: as in reduce_slice; dst and src cannot overlap.
+    unsafe { k.pre(dst.as_mut_ptr().cast(), src.as_ptr().cast(), dst.len()) };
+    Ok(())
+}
+
+/// [`Kernel::post`] on a typed slice, in place.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] if `T` is not the kernel's dtype.
+pub fn post_slice<T: Element>(k: &Kernel, buf: &mut [T]) -> Result<()> {
+    k.check::<T>("post_slice")?;
+    // SAFETY: T is the kernel's dtype and buf holds buf.len() elements.
+    unsafe { k.post(buf.as_mut_ptr().cast(), buf.len()) };
+    Ok(())
+}

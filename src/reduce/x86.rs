@@ -1,0 +1,235 @@
+//! x86-64 paths chosen at run time: AVX2 builds of the generic loops (twice the vector
+//! width of the SSE2 baseline, which matters for the narrow types whose conversions
+//! are computed), and F16C hardware conversions for `f16`.
+//!
+//! `is_x86_feature_detected!` caches its answer, so the check costs one relaxed load
+//! per call.
+
+use std::arch::x86_64::{
+    __m256, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128,
+    _mm256_add_ps, _mm256_blendv_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph,
+    _mm256_div_ps, _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps, _mm256_set1_ps,
+};
+use std::ptr;
+
+use super::num::{Arith, f16_to_f32};
+#[cfg(test)]
+use super::tests;
+use super::{Op, reduce_body, scale_body};
+
+/// Whether the CPU has AVX2.
+#[inline]
+pub(super) fn has_avx2() -> bool {
+    #[cfg(test)]
+    if tests::PORTABLE.with(|p| p.get()) {
+        return false;
+    }
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+/// Whether the CPU has AVX2 and F16C (every AVX2 CPU in practice).
+#[inline]
+pub(super) fn has_f16c() -> bool {
+    has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// [`reduce_body`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU supports AVX2; otherwise as [`super::Kernel::reduce`], in elements of `T`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn reduce_avx2<T: Arith>(
+    op: Op,
+    scalar: u64,
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { reduce_body(op, scalar, dst, a, b, n) }
+}
+
+/// [`scale_body`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU supports AVX2; otherwise as [`super::Kernel::pre`], in elements of `T`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn scale_avx2<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { scale_body(s, dst, src, n) }
+}
+
+/// [`Arith::div_all`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU supports AVX2; otherwise as [`super::Kernel::post`], in elements of `T`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn post_avx2<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { T::div_all(buf, n, nranks) }
+}
+
+/// Loads 8 `f16` (unaligned) widened to `f32`.
+///
+/// # Safety
+/// `p` is valid for reads of 8 `u16`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn load8(p: *const u16) -> __m256 {
+    // SAFETY: 16 readable bytes (caller); loadu has no alignment requirement.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+}
+
+/// Rounds 8 `f32` to `f16` (to nearest even) and stores them (unaligned).
+///
+/// # Safety
+/// `p` is valid for writes of 8 `u16`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn store8(p: *mut u16, v: __m256) {
+    let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+    // SAFETY: 16 writable bytes (caller); storeu has no alignment requirement.
+    unsafe { _mm_storeu_si128(p.cast(), h) }
+}
+
+/// Rounds each lane to the nearest `f16` value, keeping it in `f32`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn round_f16(v: __m256) -> __m256 {
+    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+}
+
+/// IEEE maxNum per lane (a NaN loses to a number), as `f32::max`. `maxps` returns its
+/// second operand when either is NaN, so `max(y, x)` gives `x` then, and a NaN `x` is
+/// replaced by `y` afterwards.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn max_num(x: __m256, y: __m256) -> __m256 {
+    _mm256_blendv_ps(_mm256_max_ps(y, x), y, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+}
+
+/// IEEE minNum per lane, as `f32::min` (see [`max_num`]).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn min_num(x: __m256, y: __m256) -> __m256 {
+    _mm256_blendv_ps(_mm256_min_ps(y, x), y, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+}
+
+/// Copies `count` (< 8) `u16` from `src` into an 8-lane scratch array, zero-padded.
+///
+/// # Safety
+/// `src` is valid for reads of `count` `u16` (any alignment).
+#[inline(always)]
+unsafe fn tail(src: *const u16, count: usize) -> [u16; 8] {
+    let mut t = [0u16; 8];
+    // SAFETY: count < 8 elements fit in t; src is readable for them; byte copies need
+    // no alignment; t is a fresh local, so no overlap.
+    unsafe { ptr::copy_nonoverlapping(src.cast::<u8>(), t.as_mut_ptr().cast::<u8>(), count * 2) };
+    t
+}
+
+/// `dst[i] = f(a[i], b[i])` over `f16` in 8-lane `f32` vectors; a partial last vector goes
+/// through zero-padded scratch. Each vector is loaded before it is stored, so `dst` may
+/// be exactly `a` or `b`.
+///
+/// # Safety
+/// `a`, `b` readable and `dst` writable for `n` `u16`; `dst` equals or does not overlap
+/// each source; the CPU supports AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn zip8(
+    dst: *mut u16,
+    a: *const u16,
+    b: *const u16,
+    n: usize,
+    f: impl Fn(__m256, __m256) -> __m256,
+) {
+    let full = n - n % 8;
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 8 <= n, all three valid for n elements (caller).
+        unsafe { store8(dst.add(i), f(load8(a.add(i)), load8(b.add(i)))) };
+        i += 8;
+    }
+    if full < n {
+        let rest = n - full;
+        // SAFETY: rest elements remain at offset `full` of each buffer (caller); the
+        // scratch arrays hold 8; the write-back copies rest elements as bytes.
+        unsafe {
+            let (ta, tb) = (tail(a.add(full), rest), tail(b.add(full), rest));
+            let mut out = [0u16; 8];
+            store8(out.as_mut_ptr(), f(load8(ta.as_ptr()), load8(tb.as_ptr())));
+            ptr::copy_nonoverlapping(
+                out.as_ptr().cast::<u8>(),
+                dst.add(full).cast::<u8>(),
+                rest * 2,
+            );
+        }
+    }
+}
+
+/// `dst[i] = f(src[i])` over `f16`, as [`zip8`].
+///
+/// # Safety
+/// `src` readable and `dst` writable for `n` `u16`; `dst` equals or does not overlap
+/// `src`; the CPU supports AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn map8(dst: *mut u16, src: *const u16, n: usize, f: impl Fn(__m256) -> __m256) {
+    // SAFETY: forwarded; reading src twice is harmless and f ignores the second lane set.
+    unsafe { zip8(dst, src, src, n, |x, _| f(x)) }
+}
+
+/// [`super::Kernel::reduce`] for `f16` with F16C conversions: each operation in `f32`,
+/// rounded back once to nearest even (pre-mul-sum rounds the product first).
+///
+/// # Safety
+/// As [`super::Kernel::reduce`] in `f16` elements; the CPU supports AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn reduce_f16(
+    op: Op,
+    scalar: u16,
+    dst: *mut u16,
+    a: *const u16,
+    b: *const u16,
+    n: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match op {
+            Op::Sum | Op::Avg => zip8(dst, a, b, n, |x, y| _mm256_add_ps(x, y)),
+            Op::Prod => zip8(dst, a, b, n, |x, y| _mm256_mul_ps(x, y)),
+            Op::Max => zip8(dst, a, b, n, |x, y| max_num(x, y)),
+            Op::Min => zip8(dst, a, b, n, |x, y| min_num(x, y)),
+            Op::PreMulSum => {
+                let s = _mm256_set1_ps(f16_to_f32(scalar));
+                zip8(dst, a, b, n, |x, y| {
+                    _mm256_add_ps(x, round_f16(_mm256_mul_ps(y, s)))
+                })
+            }
+        }
+    }
+}
+
+/// [`super::Kernel::pre`] for pre-mul-sum on `f16`: `dst[i] = s * src[i]`, rounded once.
+///
+/// # Safety
+/// As [`super::Kernel::pre`] in `f16` elements; the CPU supports AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn scale_f16(scalar: u16, dst: *mut u16, src: *const u16, n: usize) {
+    let s = _mm256_set1_ps(f16_to_f32(scalar));
+    // SAFETY: forwarded from the caller.
+    unsafe { map8(dst, src, n, |x| _mm256_mul_ps(x, s)) }
+}
+
+/// [`super::Kernel::post`] for avg on `f16`: `buf[i] / nranks` in `f32`, rounded once.
+///
+/// # Safety
+/// As [`super::Kernel::post`] in `f16` elements; the CPU supports AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn post_f16(nranks: usize, buf: *mut u16, n: usize) {
+    let d = _mm256_set1_ps(nranks as f32);
+    // SAFETY: forwarded from the caller.
+    unsafe { map8(buf, buf, n, |x| _mm256_div_ps(x, d)) }
+}
