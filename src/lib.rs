@@ -12,6 +12,8 @@
 //!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
 //! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
+//! - [`plan`]: pure schedules (ring, pipelined chain, direct) as step lists, and the
+//!   in-memory simulator ([`plan::sim`]) that runs them exactly.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
 //!
@@ -43,6 +45,7 @@
 
 pub mod bootstrap;
 pub mod error;
+pub mod plan;
 pub mod reduce;
 pub mod store;
 pub mod trace;

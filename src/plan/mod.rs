@@ -1,0 +1,1045 @@
+//! Schedules: what every rank does, step by step, for one collective.
+//!
+//! A [`Plan`] is pure data, made without I/O, threads or `unsafe`. It lists, for one
+//! rank, the [`Step`]s it performs, grouped into [`Lane`]s: steps within a lane happen in
+//! order, lanes progress independently (a ring channel is a lane; each peer of an
+//! all-to-all is a lane). Steps use NCCL's vocabulary of device primitives (`send`,
+//! `recv`, `recvReduceSend`, `recvReduceCopySend`, `recvCopySend`, …) and name the
+//! element ranges of the caller's two buffers they read and write ([`Region`]).
+//!
+//! The same plan is consumed by the engine (real transports, real kernels), by the
+//! simulator in [`sim`] (in-memory vectors; what the tests use) and by the visualizer, so
+//! what is drawn and checked is what runs.
+//!
+//! # Invariants every plan keeps
+//! - Each message is one step's region, sent by one step and received by one step of the
+//!   peer, in the same order on each (channel, sender, receiver) FIFO, with equal lengths.
+//! - In a reducing collective, a region of the input buffer read by a step is the rank's
+//!   own contribution (the engine applies the op's pre-operation, e.g. the pre-multiplier,
+//!   to it), and every reduction whose result is written to a local buffer
+//!   (`RecvReduceCopy`, `RecvReduceCopySend`, `Copy`) produces a final value (the engine
+//!   applies the post-operation, e.g. the division of `avg`, there). Partial sums only
+//!   travel (`RecvReduceSend`).
+//! - A lane never sends more than [`PlanOptions::chunk_elems`] elements in one step. With
+//!   chunks no larger than half a FIFO a ring cannot deadlock: the sender can always get
+//!   one chunk ahead of its receiver.
+//! - Steps with no elements are left out (on both ends alike).
+
+pub mod sim;
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Which of the caller's two buffers a region lies in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The send buffer (the rank's contribution).
+    Input,
+    /// The receive buffer (the result).
+    Output,
+}
+
+/// A range of elements of one buffer of one operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// Which operation of the plan the buffer belongs to (always 0 unless plans were
+    /// fused with [`Plan::fuse`]).
+    pub op: usize,
+    /// The buffer.
+    pub buf: Buf,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl Region {
+    /// Elements `offset..offset + len` of the input buffer.
+    pub const fn input(offset: usize, len: usize) -> Self {
+        Region {
+            op: 0,
+            buf: Buf::Input,
+            offset,
+            len,
+        }
+    }
+
+    /// Elements `offset..offset + len` of the output buffer.
+    pub const fn output(offset: usize, len: usize) -> Self {
+        Region {
+            op: 0,
+            buf: Buf::Output,
+            offset,
+            len,
+        }
+    }
+
+    /// One past the last element.
+    pub const fn end(&self) -> usize {
+        self.offset + self.len
+    }
+}
+
+impl fmt::Display for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self.buf {
+            Buf::Input => "in",
+            Buf::Output => "out",
+        };
+        if self.op > 0 {
+            write!(f, "{name}#{}[{}..{}]", self.op, self.offset, self.end())
+        } else {
+            write!(f, "{name}[{}..{}]", self.offset, self.end())
+        }
+    }
+}
+
+/// One primitive step, in NCCL's vocabulary. Peers are ranks of the communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Send `src` to `to`.
+    Send {
+        /// Receiving rank.
+        to: usize,
+        /// What to send.
+        src: Region,
+    },
+    /// Receive a message from `from` into `dst`.
+    Recv {
+        /// Sending rank.
+        from: usize,
+        /// Where it lands.
+        dst: Region,
+    },
+    /// Copy `src` to `dst` and send it to `to` (NCCL's `directCopySend`); the copy is
+    /// skipped when the two are the same memory (in-place).
+    CopySend {
+        /// Receiving rank.
+        to: usize,
+        /// What to copy and send.
+        src: Region,
+        /// Local copy destination.
+        dst: Region,
+    },
+    /// Receive `x` from `from` and send `x ⊕ src` to `to` (`recvReduceSend`).
+    RecvReduceSend {
+        /// Sending rank.
+        from: usize,
+        /// Receiving rank.
+        to: usize,
+        /// Local operand.
+        src: Region,
+    },
+    /// Receive `x` from `from` and store `x ⊕ src` in `dst` (`recvReduceCopy`).
+    RecvReduceCopy {
+        /// Sending rank.
+        from: usize,
+        /// Local operand.
+        src: Region,
+        /// Result.
+        dst: Region,
+    },
+    /// Receive `x`, store `x ⊕ src` in `dst` and send it to `to` (`recvReduceCopySend`).
+    RecvReduceCopySend {
+        /// Sending rank.
+        from: usize,
+        /// Receiving rank.
+        to: usize,
+        /// Local operand.
+        src: Region,
+        /// Result.
+        dst: Region,
+    },
+    /// Receive `x` from `from`, store it in `dst` and forward it to `to` (`recvCopySend`).
+    RecvCopySend {
+        /// Sending rank.
+        from: usize,
+        /// Receiving rank.
+        to: usize,
+        /// Where it lands.
+        dst: Region,
+    },
+    /// Copy `src` to `dst` locally (skipped when they are the same memory).
+    Copy {
+        /// Source.
+        src: Region,
+        /// Destination.
+        dst: Region,
+    },
+}
+
+impl Step {
+    /// Number of elements the step moves.
+    pub fn len(&self) -> usize {
+        match *self {
+            Step::Send { src, .. }
+            | Step::CopySend { src, .. }
+            | Step::RecvReduceSend { src, .. }
+            | Step::RecvReduceCopy { src, .. }
+            | Step::RecvReduceCopySend { src, .. }
+            | Step::Copy { src, .. } => src.len,
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => dst.len,
+        }
+    }
+
+    /// Whether the step moves no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The rank this step receives from, if any.
+    pub fn recv_from(&self) -> Option<usize> {
+        match *self {
+            Step::Recv { from, .. }
+            | Step::RecvReduceSend { from, .. }
+            | Step::RecvReduceCopy { from, .. }
+            | Step::RecvReduceCopySend { from, .. }
+            | Step::RecvCopySend { from, .. } => Some(from),
+            Step::Send { .. } | Step::CopySend { .. } | Step::Copy { .. } => None,
+        }
+    }
+
+    /// The rank this step sends to, if any.
+    pub fn send_to(&self) -> Option<usize> {
+        match *self {
+            Step::Send { to, .. }
+            | Step::CopySend { to, .. }
+            | Step::RecvReduceSend { to, .. }
+            | Step::RecvReduceCopySend { to, .. }
+            | Step::RecvCopySend { to, .. } => Some(to),
+            Step::Recv { .. } | Step::RecvReduceCopy { .. } | Step::Copy { .. } => None,
+        }
+    }
+
+    /// Adds `shift` to the operation index of every region of the step.
+    fn shift_ops(&mut self, shift: usize) {
+        let bump = |r: &mut Region| r.op += shift;
+        match self {
+            Step::Send { src, .. } | Step::RecvReduceSend { src, .. } => bump(src),
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => bump(dst),
+            Step::CopySend { src, dst, .. }
+            | Step::RecvReduceCopy { src, dst, .. }
+            | Step::RecvReduceCopySend { src, dst, .. }
+            | Step::Copy { src, dst } => {
+                bump(src);
+                bump(dst);
+            }
+        }
+    }
+
+    /// NCCL's name for the primitive.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Step::Send { .. } => "send",
+            Step::Recv { .. } => "recv",
+            Step::CopySend { .. } => "copySend",
+            Step::RecvReduceSend { .. } => "recvReduceSend",
+            Step::RecvReduceCopy { .. } => "recvReduceCopy",
+            Step::RecvReduceCopySend { .. } => "recvReduceCopySend",
+            Step::RecvCopySend { .. } => "recvCopySend",
+            Step::Copy { .. } => "copy",
+        }
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Step::Send { to, src } => write!(f, "send {src} -> {to}"),
+            Step::Recv { from, dst } => write!(f, "recv {from} -> {dst}"),
+            Step::CopySend { to, src, dst } => write!(f, "copySend {src} -> {dst}, -> {to}"),
+            Step::RecvReduceSend { from, to, src } => {
+                write!(f, "recvReduceSend {from} + {src} -> {to}")
+            }
+            Step::RecvReduceCopy { from, src, dst } => {
+                write!(f, "recvReduceCopy {from} + {src} -> {dst}")
+            }
+            Step::RecvReduceCopySend { from, to, src, dst } => {
+                write!(f, "recvReduceCopySend {from} + {src} -> {dst}, -> {to}")
+            }
+            Step::RecvCopySend { from, to, dst } => {
+                write!(f, "recvCopySend {from} -> {dst}, -> {to}")
+            }
+            Step::Copy { src, dst } => write!(f, "copy {src} -> {dst}"),
+        }
+    }
+}
+
+/// Steps that run in order, on one channel's connections.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Lane {
+    /// The channel whose FIFOs the lane's sends and receives use.
+    pub channel: usize,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+}
+
+/// A collective call, as the plan needs to know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Every rank ends with the reduction of all inputs.
+    AllReduce,
+    /// The root's input is copied to every rank's output.
+    Broadcast {
+        /// Source rank.
+        root: usize,
+    },
+    /// The root ends with the reduction of all inputs.
+    Reduce {
+        /// Destination rank.
+        root: usize,
+    },
+    /// Every rank ends with every rank's input, concatenated by rank.
+    AllGather,
+    /// Rank `r` ends with block `r` of the reduction of all inputs.
+    ReduceScatter,
+    /// Block `j` of rank `i`'s input becomes block `i` of rank `j`'s output.
+    AllToAll,
+    /// The root ends with every rank's input, concatenated by rank.
+    Gather {
+        /// Destination rank.
+        root: usize,
+    },
+    /// Block `r` of the root's input becomes rank `r`'s output.
+    Scatter {
+        /// Source rank.
+        root: usize,
+    },
+    /// Point-to-point send of the input to `peer`.
+    Send {
+        /// Receiving rank.
+        peer: usize,
+    },
+    /// Point-to-point receive into the output from `peer`.
+    Recv {
+        /// Sending rank.
+        peer: usize,
+    },
+}
+
+impl Collective {
+    /// The operation's name as NCCL spells it in function names (`all_reduce`, …).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::Reduce { .. } => "reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+            Collective::Gather { .. } => "gather",
+            Collective::Scatter { .. } => "scatter",
+            Collective::Send { .. } => "send",
+            Collective::Recv { .. } => "recv",
+        }
+    }
+
+    /// Whether the collective combines inputs with a reduction operation.
+    pub fn is_reducing(&self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce | Collective::Reduce { .. } | Collective::ReduceScatter
+        )
+    }
+
+    /// The root or peer, if the collective has one.
+    pub fn root(&self) -> Option<usize> {
+        match *self {
+            Collective::Broadcast { root }
+            | Collective::Reduce { root }
+            | Collective::Gather { root }
+            | Collective::Scatter { root } => Some(root),
+            Collective::Send { peer } | Collective::Recv { peer } => Some(peer),
+            _ => None,
+        }
+    }
+
+    /// Elements of the input and output buffers that rank `rank` of `nranks` uses for a
+    /// call with `count` (NCCL's count argument: per-rank elements; the receive count for
+    /// reduce-scatter, the send count for all-gather and gather, per-peer for all-to-all).
+    pub fn buffer_lens(&self, count: usize, rank: usize, nranks: usize) -> (usize, usize) {
+        let all = count * nranks;
+        match *self {
+            Collective::AllReduce => (count, count),
+            Collective::Broadcast { root } => (if rank == root { count } else { 0 }, count),
+            Collective::Reduce { root } => (count, if rank == root { count } else { 0 }),
+            Collective::AllGather => (count, all),
+            Collective::ReduceScatter => (all, count),
+            Collective::AllToAll => (all, all),
+            Collective::Gather { root } => (count, if rank == root { all } else { 0 }),
+            Collective::Scatter { root } => (if rank == root { all } else { 0 }, count),
+            Collective::Send { .. } => (count, 0),
+            Collective::Recv { .. } => (0, count),
+        }
+    }
+
+    /// Where the input sits in the output when the call is in place, as NCCL defines it
+    /// (e.g. all-gather: `sendbuff == recvbuff + rank * count`). `None` when the input is
+    /// not part of the output for this rank; for reduce-scatter the output sits in the
+    /// input instead, at [`Collective::output_in_input`].
+    pub fn input_in_output(&self, count: usize, rank: usize) -> Option<usize> {
+        match *self {
+            Collective::AllReduce => Some(0),
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => Some(0),
+            Collective::AllGather => Some(rank * count),
+            Collective::Gather { root } if rank == root => Some(root * count),
+            _ => None,
+        }
+    }
+
+    /// For calls whose output lies inside the input when in place (reduce-scatter:
+    /// `recvbuff == sendbuff + rank * count`; scatter at the root), the offset.
+    pub fn output_in_input(&self, count: usize, rank: usize) -> Option<usize> {
+        match *self {
+            Collective::ReduceScatter => Some(rank * count),
+            Collective::Scatter { root } if rank == root => Some(root * count),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.root() {
+            Some(r) if matches!(self, Collective::Send { .. } | Collective::Recv { .. }) => {
+                write!(f, "{}(peer {r})", self.name())
+            }
+            Some(r) => write!(f, "{}(root {r})", self.name()),
+            None => f.write_str(self.name()),
+        }
+    }
+}
+
+/// How to shape a plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Most elements one step of a ring or pipeline moves (its chunk).
+    pub chunk_elems: usize,
+    /// One ring per channel: the ranks in ring order. All must be permutations of
+    /// `0..nranks`.
+    pub rings: Vec<Vec<usize>>,
+}
+
+impl PlanOptions {
+    /// `channels` rings over `nranks` ranks: even channels go `0, 1, …, n−1`, odd
+    /// channels the other way round, so that two channels use different connections.
+    pub fn with_channels(nranks: usize, channels: usize, chunk_elems: usize) -> Self {
+        let rings = (0..channels.max(1))
+            .map(|c| {
+                let mut ring: Vec<usize> = (0..nranks).collect();
+                if c % 2 == 1 {
+                    ring.reverse();
+                }
+                ring
+            })
+            .collect();
+        PlanOptions {
+            chunk_elems: chunk_elems.max(1),
+            rings,
+        }
+    }
+
+    fn validate(&self, nranks: usize) -> Result<()> {
+        if self.chunk_elems == 0 {
+            return Err(Error::invalid("plan: chunk of 0 elements"));
+        }
+        if self.rings.is_empty() {
+            return Err(Error::invalid("plan: no channels (rings)"));
+        }
+        for (c, ring) in self.rings.iter().enumerate() {
+            let mut seen = vec![false; nranks];
+            let ok = ring.len() == nranks
+                && ring
+                    .iter()
+                    .all(|&r| r < nranks && !std::mem::replace(&mut seen[r], true));
+            if !ok {
+                return Err(Error::invalid(format!(
+                    "plan: ring of channel {c} ({ring:?}) is not a permutation of 0..{nranks}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The channel of point-to-point operations: their FIFOs are separate from the
+/// collectives' so that sends and receives, which ranks may issue in any order relative
+/// to collectives, never interleave with collective traffic.
+pub const P2P_CHANNEL: usize = usize::MAX;
+
+/// One operation of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedOp {
+    /// The call.
+    pub collective: Collective,
+    /// Its count argument.
+    pub count: usize,
+}
+
+/// What one rank does for one collective, or for several fused into one group call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub nranks: usize,
+    /// The operations; [`Region::op`] indexes this list.
+    pub ops: Vec<PlannedOp>,
+    /// The lanes, progressed concurrently.
+    pub lanes: Vec<Lane>,
+}
+
+impl Plan {
+    /// Every step, lane by lane.
+    pub fn steps(&self) -> impl Iterator<Item = &Step> {
+        self.lanes.iter().flat_map(|l| l.steps.iter())
+    }
+
+    /// Elements this rank sends in total.
+    pub fn elems_sent(&self) -> usize {
+        self.steps()
+            .filter(|s| s.send_to().is_some())
+            .map(Step::len)
+            .sum()
+    }
+
+    /// Fuses the plans of one group call (same rank, same communicator) into one plan
+    /// whose lanes all progress together, as NCCL runs the operations between
+    /// `ncclGroupStart` and `ncclGroupEnd`.
+    ///
+    /// Lanes that share a connection end (a channel and a peer, in one direction) are
+    /// joined in call order, so messages on every FIFO keep the order in which the
+    /// operations were issued (which is how NCCL matches sends with receives); all other
+    /// lanes stay independent, so a send and a receive between two ranks issued in the
+    /// same group can never wait on each other.
+    pub fn fuse(plans: Vec<Plan>) -> Result<Plan> {
+        let Some(first) = plans.first() else {
+            return Err(Error::invalid("fuse: no plans"));
+        };
+        let (rank, nranks) = (first.rank, first.nranks);
+        let mut ops = Vec::new();
+        // Each fused lane with the connection ends it uses.
+        let mut fused: Vec<(Vec<LaneEnd>, Lane)> = Vec::new();
+        for plan in plans {
+            if (plan.rank, plan.nranks) != (rank, nranks) {
+                return Err(Error::invalid(format!(
+                    "fuse: plan of rank {} of {} mixed with rank {rank} of {nranks}",
+                    plan.rank, plan.nranks
+                )));
+            }
+            let shift = ops.len();
+            ops.extend(plan.ops);
+            for mut lane in plan.lanes {
+                for step in &mut lane.steps {
+                    step.shift_ops(shift);
+                }
+                let ends = lane_ends(&lane);
+                let hits: Vec<usize> = (0..fused.len())
+                    .filter(|&i| fused[i].0.iter().any(|e| ends.contains(e)))
+                    .collect();
+                match hits.split_first() {
+                    None => fused.push((ends, lane)),
+                    Some((&keep, rest)) => {
+                        // Join every lane this one touches, oldest first, then append it.
+                        for &i in rest.iter().rev() {
+                            let (e, l) = fused.remove(i);
+                            fused[keep].0.extend(e);
+                            fused[keep].1.steps.extend(l.steps);
+                        }
+                        fused[keep].0.extend(ends);
+                        fused[keep].1.steps.extend(lane.steps);
+                    }
+                }
+            }
+        }
+        Ok(Plan {
+            rank,
+            nranks,
+            ops,
+            lanes: fused.into_iter().map(|(_, l)| l).collect(),
+        })
+    }
+}
+
+/// A connection end: (channel, sends?, peer).
+type LaneEnd = (usize, bool, usize);
+
+/// The connection ends a lane uses.
+fn lane_ends(lane: &Lane) -> Vec<LaneEnd> {
+    let mut ends = Vec::new();
+    for step in &lane.steps {
+        if let Some(to) = step.send_to() {
+            ends.push((lane.channel, true, to));
+        }
+        if let Some(from) = step.recv_from() {
+            ends.push((lane.channel, false, from));
+        }
+    }
+    ends.sort_unstable();
+    ends.dedup();
+    ends
+}
+
+/// Element range `i` of `parts` near-equal parts of `len` (the first `len % parts` parts
+/// are one longer): returns `(offset, len)`.
+pub fn split_even(len: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = len / parts;
+    let extra = len % parts;
+    let offset = i * base + i.min(extra);
+    (offset, base + usize::from(i < extra))
+}
+
+/// Makes rank `rank`'s plan for `collective` over `count` elements.
+///
+/// Ring algorithms for all-reduce (reduce-scatter then all-gather), reduce-scatter,
+/// all-gather, and pipelined chains along the ring for broadcast and reduce; direct
+/// exchanges for all-to-all, gather, scatter and point-to-point.
+pub fn plan(
+    collective: Collective,
+    count: usize,
+    rank: usize,
+    nranks: usize,
+    options: &PlanOptions,
+) -> Result<Plan> {
+    if nranks == 0 {
+        return Err(Error::invalid("plan: 0 ranks"));
+    }
+    if rank >= nranks {
+        return Err(Error::invalid(format!(
+            "plan: rank {rank} is not below the number of ranks {nranks}"
+        )));
+    }
+    if let Some(root) = collective.root()
+        && root >= nranks
+    {
+        return Err(Error::invalid(format!(
+            "{}: root/peer {root} is not below the number of ranks {nranks}",
+            collective.name()
+        )));
+    }
+    options.validate(nranks)?;
+    let b = Builder {
+        rank,
+        nranks,
+        count,
+        chunk: options.chunk_elems,
+        rings: &options.rings,
+    };
+    let mut lanes = match collective {
+        Collective::AllReduce => b.ring_all_reduce(),
+        Collective::ReduceScatter => b.ring_reduce_scatter(),
+        Collective::AllGather => b.ring_all_gather(),
+        Collective::Broadcast { root } => b.ring_broadcast(root),
+        Collective::Reduce { root } => b.ring_reduce(root),
+        Collective::AllToAll => b.direct_all_to_all(),
+        Collective::Gather { root } => b.direct_gather(root),
+        Collective::Scatter { root } => b.direct_scatter(root),
+        Collective::Send { peer } => vec![lane(
+            P2P_CHANNEL,
+            vec![Step::Send {
+                to: peer,
+                src: Region::input(0, count),
+            }],
+        )],
+        Collective::Recv { peer } => vec![lane(
+            P2P_CHANNEL,
+            vec![Step::Recv {
+                from: peer,
+                dst: Region::output(0, count),
+            }],
+        )],
+    };
+    for l in &mut lanes {
+        l.steps.retain(|s| !s.is_empty());
+    }
+    lanes.retain(|l| !l.steps.is_empty());
+    Ok(Plan {
+        rank,
+        nranks,
+        ops: vec![PlannedOp { collective, count }],
+        lanes,
+    })
+}
+
+fn lane(channel: usize, steps: Vec<Step>) -> Lane {
+    Lane { channel, steps }
+}
+
+/// Shared inputs of the plan builders.
+struct Builder<'a> {
+    rank: usize,
+    nranks: usize,
+    count: usize,
+    chunk: usize,
+    rings: &'a [Vec<usize>],
+}
+
+/// A ring seen from one rank: its position and neighbours.
+struct RingView<'a> {
+    ring: &'a [usize],
+    pos: usize,
+}
+
+impl RingView<'_> {
+    fn n(&self) -> usize {
+        self.ring.len()
+    }
+    fn next(&self) -> usize {
+        self.ring[(self.pos + 1) % self.n()]
+    }
+    fn prev(&self) -> usize {
+        self.ring[(self.pos + self.n() - 1) % self.n()]
+    }
+    /// The rank `back` positions before this one (wrapping).
+    fn before(&self, back: usize) -> usize {
+        let n = self.n();
+        self.ring[(self.pos + n - back % n) % n]
+    }
+}
+
+impl Builder<'_> {
+    fn channels(&self) -> usize {
+        self.rings.len()
+    }
+
+    fn view(&self, channel: usize) -> RingView<'_> {
+        let ring = &self.rings[channel];
+        let pos = ring
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("validated rings contain every rank");
+        RingView { ring, pos }
+    }
+
+    /// Ring all-reduce. Each channel takes a contiguous share of the buffer and walks it
+    /// in iterations of `nranks × chunk` elements; an iteration is split into one piece per
+    /// rank. At step `s` the rank at ring position `p` handles the piece owned by the rank
+    /// `s` positions behind it: sends it (s = 0), adds its own contribution and forwards it
+    /// (0 < s < n−1), completes it (s = n−1: the sum is final, stored and forwarded),
+    /// then passes final pieces on (n−1 < s < 2n−2) and stores the last one (s = 2n−2).
+    fn ring_all_reduce(&self) -> Vec<Lane> {
+        let n = self.nranks;
+        (0..self.channels())
+            .map(|c| {
+                let (lo, len) = split_even(self.count, self.channels(), c);
+                let mut steps = Vec::new();
+                if n == 1 {
+                    steps.push(Step::Copy {
+                        src: Region::input(lo, len),
+                        dst: Region::output(lo, len),
+                    });
+                    return lane(c, steps);
+                }
+                let v = self.view(c);
+                let (prev, next) = (v.prev(), v.next());
+                let per_iter = n * self.chunk;
+                let mut base = lo;
+                while base < lo + len {
+                    let it_len = per_iter.min(lo + len - base);
+                    // Piece owned by ring position q of this iteration.
+                    let piece = |q: usize| {
+                        let (off, l) = split_even(it_len, n, q);
+                        (base + off, l)
+                    };
+                    let pos_of = |rank: usize| v.ring.iter().position(|&r| r == rank).unwrap();
+                    for s in 0..=2 * (n - 1) {
+                        let (off, l) = piece(pos_of(v.before(s)));
+                        let (src, dst) = (Region::input(off, l), Region::output(off, l));
+                        steps.push(match s {
+                            0 => Step::Send { to: next, src },
+                            s if s < n - 1 => Step::RecvReduceSend {
+                                from: prev,
+                                to: next,
+                                src,
+                            },
+                            s if s == n - 1 => Step::RecvReduceCopySend {
+                                from: prev,
+                                to: next,
+                                src,
+                                dst,
+                            },
+                            s if s < 2 * (n - 1) => Step::RecvCopySend {
+                                from: prev,
+                                to: next,
+                                dst,
+                            },
+                            _ => Step::Recv { from: prev, dst },
+                        });
+                    }
+                    base += it_len;
+                }
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// The chunks of this channel's share of one block: `(offset within block, len)`.
+    fn block_chunks(&self, channel: usize) -> Vec<(usize, usize)> {
+        let (lo, len) = split_even(self.count, self.channels(), channel);
+        (0..len.div_ceil(self.chunk))
+            .map(|i| {
+                let off = i * self.chunk;
+                (lo + off, self.chunk.min(len - off))
+            })
+            .collect()
+    }
+
+    /// Ring reduce-scatter: like the first half of all-reduce over blocks, arranged so
+    /// that rank `r` completes block `r`.
+    fn ring_reduce_scatter(&self) -> Vec<Lane> {
+        let (n, count) = (self.nranks, self.count);
+        (0..self.channels())
+            .map(|c| {
+                let mut steps = Vec::new();
+                let v = self.view(c);
+                for (off, l) in self.block_chunks(c) {
+                    if n == 1 {
+                        steps.push(Step::Copy {
+                            src: Region::input(off, l),
+                            dst: Region::output(off, l),
+                        });
+                        continue;
+                    }
+                    for s in 0..n {
+                        // At step s handle the block of the rank s+1 positions back, so
+                        // that the last step (s = n−1) completes this rank's own block.
+                        let block = v.before(s + 1);
+                        let src = Region::input(block * count + off, l);
+                        steps.push(match s {
+                            0 => Step::Send { to: v.next(), src },
+                            s if s < n - 1 => Step::RecvReduceSend {
+                                from: v.prev(),
+                                to: v.next(),
+                                src,
+                            },
+                            _ => Step::RecvReduceCopy {
+                                from: v.prev(),
+                                src,
+                                dst: Region::output(off, l),
+                            },
+                        });
+                    }
+                }
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// Ring all-gather: each rank copies its block into place and sends it; every
+    /// block then travels n−1 hops.
+    fn ring_all_gather(&self) -> Vec<Lane> {
+        let (n, count) = (self.nranks, self.count);
+        (0..self.channels())
+            .map(|c| {
+                let mut steps = Vec::new();
+                let v = self.view(c);
+                for (off, l) in self.block_chunks(c) {
+                    let own = Region::output(self.rank * count + off, l);
+                    if n == 1 {
+                        steps.push(Step::Copy {
+                            src: Region::input(off, l),
+                            dst: own,
+                        });
+                        continue;
+                    }
+                    steps.push(Step::CopySend {
+                        to: v.next(),
+                        src: Region::input(off, l),
+                        dst: own,
+                    });
+                    for s in 1..n {
+                        let dst = Region::output(v.before(s) * count + off, l);
+                        steps.push(if s < n - 1 {
+                            Step::RecvCopySend {
+                                from: v.prev(),
+                                to: v.next(),
+                                dst,
+                            }
+                        } else {
+                            Step::Recv {
+                                from: v.prev(),
+                                dst,
+                            }
+                        });
+                    }
+                }
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// Broadcast pipelined along the ring, starting at the root.
+    fn ring_broadcast(&self, root: usize) -> Vec<Lane> {
+        let n = self.nranks;
+        (0..self.channels())
+            .map(|c| {
+                let v = self.view(c);
+                let root_pos = v.ring.iter().position(|&r| r == root).unwrap();
+                // Distance from the root along the ring.
+                let q = (v.pos + n - root_pos) % n;
+                let steps = self
+                    .block_chunks(c)
+                    .into_iter()
+                    .map(|(off, l)| {
+                        let dst = Region::output(off, l);
+                        match q {
+                            _ if n == 1 => Step::Copy {
+                                src: Region::input(off, l),
+                                dst,
+                            },
+                            0 => Step::CopySend {
+                                to: v.next(),
+                                src: Region::input(off, l),
+                                dst,
+                            },
+                            q if q < n - 1 => Step::RecvCopySend {
+                                from: v.prev(),
+                                to: v.next(),
+                                dst,
+                            },
+                            _ => Step::Recv {
+                                from: v.prev(),
+                                dst,
+                            },
+                        }
+                    })
+                    .collect();
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// Reduce pipelined along the ring, ending at the root.
+    fn ring_reduce(&self, root: usize) -> Vec<Lane> {
+        let n = self.nranks;
+        (0..self.channels())
+            .map(|c| {
+                let v = self.view(c);
+                let root_pos = v.ring.iter().position(|&r| r == root).unwrap();
+                // Position in the chain that starts right after the root and ends at it.
+                let q = (v.pos + n - root_pos + n - 1) % n;
+                let steps = self
+                    .block_chunks(c)
+                    .into_iter()
+                    .map(|(off, l)| {
+                        let src = Region::input(off, l);
+                        match q {
+                            _ if n == 1 => Step::Copy {
+                                src,
+                                dst: Region::output(off, l),
+                            },
+                            0 => Step::Send { to: v.next(), src },
+                            q if q < n - 1 => Step::RecvReduceSend {
+                                from: v.prev(),
+                                to: v.next(),
+                                src,
+                            },
+                            _ => Step::RecvReduceCopy {
+                                from: v.prev(),
+                                src,
+                                dst: Region::output(off, l),
+                            },
+                        }
+                    })
+                    .collect();
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// All-to-all as direct exchanges: one lane per peer and direction, all in flight
+    /// together, so no ordering between peers can deadlock.
+    fn direct_all_to_all(&self) -> Vec<Lane> {
+        let (me, count) = (self.rank, self.count);
+        let mut lanes = vec![lane(
+            0,
+            vec![Step::Copy {
+                src: Region::input(me * count, count),
+                dst: Region::output(me * count, count),
+            }],
+        )];
+        for k in 1..self.nranks {
+            let to = (me + k) % self.nranks;
+            let from = (me + self.nranks - k) % self.nranks;
+            lanes.push(lane(
+                0,
+                vec![Step::Send {
+                    to,
+                    src: Region::input(to * count, count),
+                }],
+            ));
+            lanes.push(lane(
+                0,
+                vec![Step::Recv {
+                    from,
+                    dst: Region::output(from * count, count),
+                }],
+            ));
+        }
+        lanes
+    }
+
+    fn direct_gather(&self, root: usize) -> Vec<Lane> {
+        let (me, count) = (self.rank, self.count);
+        if me != root {
+            return vec![lane(
+                0,
+                vec![Step::Send {
+                    to: root,
+                    src: Region::input(0, count),
+                }],
+            )];
+        }
+        let mut lanes = vec![lane(
+            0,
+            vec![Step::Copy {
+                src: Region::input(0, count),
+                dst: Region::output(me * count, count),
+            }],
+        )];
+        lanes.extend((0..self.nranks).filter(|&r| r != me).map(|from| {
+            lane(
+                0,
+                vec![Step::Recv {
+                    from,
+                    dst: Region::output(from * count, count),
+                }],
+            )
+        }));
+        lanes
+    }
+
+    fn direct_scatter(&self, root: usize) -> Vec<Lane> {
+        let (me, count) = (self.rank, self.count);
+        if me != root {
+            return vec![lane(
+                0,
+                vec![Step::Recv {
+                    from: root,
+                    dst: Region::output(0, count),
+                }],
+            )];
+        }
+        let mut lanes = vec![lane(
+            0,
+            vec![Step::Copy {
+                src: Region::input(me * count, count),
+                dst: Region::output(0, count),
+            }],
+        )];
+        lanes.extend((0..self.nranks).filter(|&r| r != me).map(|to| {
+            lane(
+                0,
+                vec![Step::Send {
+                    to,
+                    src: Region::input(to * count, count),
+                }],
+            )
+        }));
+        lanes
+    }
+}
+
+#[cfg(test)]
+mod tests;
