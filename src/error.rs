@@ -129,6 +129,55 @@ pub enum Error {
         detail: String,
     },
 
+    /// The request is valid but this build or machine cannot serve it (e.g. ranks on
+    /// several hosts before the network transport exists, device memory without CUDA).
+    #[error("not supported: {what}")]
+    Unsupported {
+        /// What cannot be done, and why.
+        what: String,
+    },
+
+    /// A collective could not complete because a peer failed: its process died, or it
+    /// closed or aborted its communicator.
+    #[error("rank {rank}: {op} #{seq} failed: {detail}")]
+    PeerFailed {
+        /// The operation (`all_reduce`, …).
+        op: String,
+        /// Its sequence number on this communicator (0 for the first call).
+        seq: u64,
+        /// The rank reporting the failure.
+        rank: usize,
+        /// The rank that failed first, as far as this rank can tell.
+        failed_rank: usize,
+        /// What happened to it.
+        detail: String,
+    },
+
+    /// A collective did not complete before its deadline.
+    #[error("rank {rank}: {op} #{seq} timed out after {waited:?} waiting on ranks {waiting_on:?}")]
+    Timeout {
+        /// The operation.
+        op: String,
+        /// Its sequence number on this communicator.
+        seq: u64,
+        /// The rank reporting it.
+        rank: usize,
+        /// The peers it was still waiting for.
+        waiting_on: Vec<usize>,
+        /// How long it waited.
+        waited: Duration,
+    },
+
+    /// The communicator was aborted (by its owner, or after an earlier failure) and can
+    /// no longer be used.
+    #[error("rank {rank}: communicator aborted: {reason}")]
+    Aborted {
+        /// The rank whose communicator it is.
+        rank: usize,
+        /// Why it was aborted (the earlier error, or "aborted by the user").
+        reason: String,
+    },
+
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {

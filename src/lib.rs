@@ -14,8 +14,30 @@
 //!   all-gather and barrier.
 //! - [`plan`]: pure schedules (ring, pipelined chain, direct) as step lists, and the
 //!   in-memory simulator ([`plan::sim`]) that runs them exactly.
+//! - [`transport`]: slot FIFOs between ranks, in `/dev/shm` or process memory, with a
+//!   futex doorbell per rank and peer liveness.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
+//! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
+//! - [`comm`]: the NCCL-shaped [`Communicator`].
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
+//!
+//! # Example: an all-reduce on four ranks (threads)
+//!
+//! ```
+//! use ferroccl::{Communicator, ReduceOp};
+//!
+//! let comms = Communicator::init_all(4)?;
+//! std::thread::scope(|s| {
+//!     for comm in &comms {
+//!         s.spawn(move || {
+//!             let mut v = [comm.rank() as f64; 3];
+//!             comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+//!             assert_eq!(v, [6.0; 3]); // 0 + 1 + 2 + 3
+//!         });
+//!     }
+//! });
+//! # Ok::<(), ferroccl::Error>(())
+//! ```
 //!
 //! # Example: four ranks as threads find each other
 //!
@@ -44,12 +66,16 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap;
+pub mod comm;
+pub mod engine;
 pub mod error;
 pub mod plan;
 pub mod reduce;
 pub mod store;
 pub mod trace;
+pub mod transport;
 pub mod types;
 
+pub use comm::Communicator;
 pub use error::{Error, Result};
 pub use types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp, Scalar};

@@ -1,0 +1,150 @@
+//! Communicator settings and their environment variables.
+
+use std::time::Duration;
+
+use crate::bootstrap::BootstrapOptions;
+use crate::error::{Error, Result};
+use crate::transport::fifo::Geometry;
+
+/// Settings of a [`Communicator`](super::Communicator).
+///
+/// [`CommConfig::from_env`] reads the `FERROCCL_*` variables (NCCL's names in
+/// parentheses are honoured too where they mean the same thing):
+///
+/// | variable | field | default |
+/// | --- | --- | --- |
+/// | `FERROCCL_TIMEOUT` | `timeout` (seconds) | 600 |
+/// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels` | 1 |
+/// | `FERROCCL_SLOTS` | `slots` per FIFO | 8 |
+/// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
+/// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
+/// | `FERROCCL_TRANSPORT=shm` | `force_shm` | off |
+/// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
+#[derive(Clone, Debug)]
+pub struct CommConfig {
+    /// Deadline of every collective: past it the call fails with
+    /// [`Error::Timeout`](crate::Error::Timeout) naming the ranks it waited on.
+    pub timeout: Duration,
+    /// Number of parallel rings.
+    pub channels: usize,
+    /// Slots per FIFO.
+    pub slots: usize,
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// Bytes one step of a ring moves (at most half a FIFO, so rings cannot deadlock).
+    pub chunk_bytes: usize,
+    /// Use `/dev/shm` FIFOs even between threads of one process.
+    pub force_shm: bool,
+    /// Rendezvous settings.
+    pub bootstrap: BootstrapOptions,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        let slots = 8;
+        let slot_bytes = 128 * 1024;
+        CommConfig {
+            timeout: Duration::from_secs(600),
+            channels: 1,
+            slots,
+            slot_bytes,
+            chunk_bytes: slots / 2 * slot_bytes,
+            force_shm: false,
+            bootstrap: BootstrapOptions::default(),
+        }
+    }
+}
+
+fn env_number(names: &[&str]) -> Result<Option<f64>> {
+    for name in names {
+        if let Ok(text) = std::env::var(name) {
+            let v: f64 = text.trim().parse().map_err(|_| Error::Env {
+                var: name.to_string(),
+                detail: format!("{text:?} is not a number"),
+            })?;
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::Env {
+                    var: name.to_string(),
+                    detail: format!("{text:?} must be positive"),
+                });
+            }
+            return Ok(Some(v));
+        }
+    }
+    Ok(None)
+}
+
+impl CommConfig {
+    /// Defaults with the environment variables applied, then checked.
+    pub fn from_env() -> Result<Self> {
+        let mut c = CommConfig {
+            bootstrap: BootstrapOptions::from_env()?,
+            ..CommConfig::default()
+        };
+        let mut chunk_set = false;
+        if let Some(v) = env_number(&["FERROCCL_TIMEOUT"])? {
+            c.timeout = Duration::from_secs_f64(v);
+        }
+        if let Some(v) = env_number(&["FERROCCL_NCHANNELS", "NCCL_NCHANNELS"])? {
+            c.channels = v as usize;
+        }
+        if let Some(v) = env_number(&["FERROCCL_SLOTS"])? {
+            c.slots = v as usize;
+        }
+        if let Some(v) = env_number(&["FERROCCL_SLOT_SIZE"])? {
+            c.slot_bytes = v as usize;
+        }
+        if let Some(v) = env_number(&["FERROCCL_CHUNK_SIZE"])? {
+            c.chunk_bytes = v as usize;
+            chunk_set = true;
+        }
+        if !chunk_set {
+            c.chunk_bytes = c.slots / 2 * c.slot_bytes;
+        }
+        if let Ok(t) = std::env::var("FERROCCL_TRANSPORT") {
+            match t.trim() {
+                "shm" => c.force_shm = true,
+                "" | "auto" => {}
+                other => {
+                    return Err(Error::Env {
+                        var: "FERROCCL_TRANSPORT".into(),
+                        detail: format!("{other:?} is not one of auto, shm"),
+                    });
+                }
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The FIFO shape.
+    pub fn geometry(&self) -> Geometry {
+        Geometry {
+            slots: self.slots,
+            slot_bytes: self.slot_bytes,
+        }
+    }
+
+    /// Checks that the settings make sense together.
+    pub fn validate(&self) -> Result<()> {
+        self.geometry().validate()?;
+        if self.channels == 0 || self.channels > 64 {
+            return Err(Error::invalid(format!(
+                "{} channels: use 1 to 64",
+                self.channels
+            )));
+        }
+        let max_chunk = self.slots / 2 * self.slot_bytes;
+        if self.chunk_bytes < 8 || self.chunk_bytes > max_chunk {
+            return Err(Error::invalid(format!(
+                "chunk of {} bytes: must be between 8 bytes and half a FIFO ({max_chunk} \
+                 bytes = {} slots of {} bytes / 2), or rings could deadlock",
+                self.chunk_bytes, self.slots, self.slot_bytes
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::invalid("timeout of 0"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,724 @@
+//! [`Communicator`]: the NCCL-shaped API.
+//!
+//! A communicator is one rank's membership in a group of ranks, with connections to
+//! every peer. Its collectives are blocking calls on host memory that run in the
+//! caller's thread ([`crate::engine`]). Typed calls take slices (`&[T]`,
+//! `&mut [T]`, [`Element`] types); the in-place forms take one buffer laid out as NCCL
+//! defines in-place calls. Every argument is checked before any data moves: a wrong root,
+//! length or type is an [`Error::InvalidArgument`] naming the argument, and leaves the
+//! communicator usable. A failure while data moves (a peer died, the deadline passed)
+//! aborts the communicator: the call and every later one fail, and the peers waiting on
+//! this rank learn which rank failed first.
+
+mod config;
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+pub use config::CommConfig;
+
+use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::engine::{self, CallInfo, OpBuffers};
+use crate::error::{Error, Result};
+use crate::plan::{self, Collective, Plan, PlanOptions};
+use crate::reduce::Kernel;
+use crate::store::{HashStore, PrefixStore, Store};
+use crate::transport::bell::Closed;
+use crate::transport::{Connections, TransportConfig};
+use crate::types::{DataType, Element, ReduceOp};
+
+/// One rank's handle on a group of ranks that run collectives together.
+pub struct Communicator {
+    rank: usize,
+    nranks: usize,
+    config: CommConfig,
+    rings: Vec<Vec<usize>>,
+    boot: Bootstrap,
+    state: Mutex<State>,
+    splits: AtomicU64,
+}
+
+struct State {
+    conns: Connections,
+    /// Sequence number of the next call.
+    seq: u64,
+    /// Set once a call failed while moving data, or on abort.
+    failure: Option<String>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("nranks", &self.nranks)
+            .field("channels", &self.config.channels)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One call's operation and buffers, before it runs.
+#[derive(Clone, Copy)]
+struct RawOp {
+    collective: Collective,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    input: *const u8,
+    output: *mut u8,
+}
+
+impl Communicator {
+    /// Joins the communicator named by `id` as `rank` of `nranks`
+    /// (`ncclCommInitRank`), with settings from the environment.
+    pub fn init_rank(id: &UniqueId, nranks: usize, rank: usize) -> Result<Self> {
+        Self::init_rank_with(id, nranks, rank, CommConfig::from_env()?)
+    }
+
+    /// Like [`Communicator::init_rank`], with explicit settings.
+    pub fn init_rank_with(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        config: CommConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let boot = Bootstrap::from_unique_id(id, rank, nranks, &config.bootstrap)?;
+        Self::from_bootstrap(boot, config)
+    }
+
+    /// `env://` initialisation from the launcher's variables (ferrorun, torchrun, srun,
+    /// mpirun; see [`Bootstrap::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        let config = CommConfig::from_env()?;
+        let (boot, _) = Bootstrap::from_env(&config.bootstrap)?;
+        Self::from_bootstrap(boot, config)
+    }
+
+    /// `n` ranks as threads of this process (`ncclCommInitAll`): returns the
+    /// communicators in rank order, to be used from one thread each.
+    pub fn init_all(n: usize) -> Result<Vec<Self>> {
+        Self::init_all_with(n, CommConfig::from_env()?)
+    }
+
+    /// Like [`Communicator::init_all`], with explicit settings.
+    pub fn init_all_with(n: usize, config: CommConfig) -> Result<Vec<Self>> {
+        if n == 0 {
+            return Err(Error::invalid("init_all: 0 ranks"));
+        }
+        config.validate()?;
+        let store = HashStore::new();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|rank| {
+                    let store: Arc<dyn Store> = Arc::new(store.clone());
+                    let config = config.clone();
+                    s.spawn(move || {
+                        let boot = Bootstrap::new(store, rank, n, &config.bootstrap)?;
+                        Self::from_bootstrap(boot, config)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("init_all thread panicked"))
+                .collect()
+        })
+    }
+
+    /// Builds the communicator over a rendezvous that already happened (collective:
+    /// every rank of `boot` must call it).
+    pub fn from_bootstrap(boot: Bootstrap, config: CommConfig) -> Result<Self> {
+        config.validate()?;
+        let (rank, nranks) = (boot.rank(), boot.world_size());
+        let rings = PlanOptions::with_channels(nranks, config.channels, 1).rings;
+        let conns = Connections::establish(
+            &boot,
+            &TransportConfig {
+                geometry: config.geometry(),
+                rings: rings.clone(),
+                force_shm: config.force_shm,
+            },
+        )?;
+        Ok(Communicator {
+            rank,
+            nranks,
+            config,
+            rings,
+            boot,
+            state: Mutex::new(State {
+                conns,
+                seq: 0,
+                failure: None,
+            }),
+            splits: AtomicU64::new(0),
+        })
+    }
+
+    /// This rank (`ncclCommUserRank`).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks (`ncclCommCount`).
+    pub fn size(&self) -> usize {
+        self.nranks
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &CommConfig {
+        &self.config
+    }
+
+    /// Facts about every rank (host, pid, addresses), from the rendezvous.
+    pub fn peers(&self) -> &[crate::bootstrap::PeerInfo] {
+        self.boot.peers()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The first error this communicator failed with, if it has (`ncclCommGetAsyncError`).
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failure.clone()
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): later calls fail, and peers waiting on
+    /// this rank fail at once with an error naming it.
+    pub fn abort(&self) {
+        let mut st = self.lock();
+        st.failure
+            .get_or_insert_with(|| "aborted by the user".into());
+        st.conns.close(Closed::ByOwner);
+    }
+
+    /// Creates sub-communicators (`ncclCommSplit`): ranks passing the same `color` end up
+    /// in one, ordered by `key` and then by their rank here; `None` (NCCL's
+    /// `NCCL_SPLIT_NOCOLOR`) takes part without joining any. Collective over this
+    /// communicator.
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        let _serial = self.lock();
+        let generation = self.splits.fetch_add(1, Ordering::SeqCst);
+        let mut mine = Vec::with_capacity(12);
+        mine.extend_from_slice(&color.map_or(-1i64, i64::from).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let all = self.boot.all_gather(&mine)?;
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i32, usize)> = Vec::new();
+        for (r, bytes) in all.iter().enumerate() {
+            let bad = || Error::BootstrapData {
+                rank: r,
+                detail: "split: malformed (color, key)".into(),
+            };
+            let c = i64::from_le_bytes(bytes.get(0..8).ok_or_else(bad)?.try_into().unwrap());
+            let k = i32::from_le_bytes(bytes.get(8..12).ok_or_else(bad)?.try_into().unwrap());
+            if c == i64::from(color) {
+                members.push((k, r));
+            }
+        }
+        members.sort_unstable();
+        let new_rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .expect("this rank has its own color");
+        let store = PrefixStore::new(
+            format!("split/{generation}/{color}"),
+            self.boot.store().clone(),
+        );
+        let boot = Bootstrap::new(
+            Arc::new(store),
+            new_rank,
+            members.len(),
+            &self.config.bootstrap,
+        )?;
+        Communicator::from_bootstrap(boot, self.config.clone()).map(Some)
+    }
+
+    // ----- typed collectives -------------------------------------------------------
+
+    /// `recv = op(send of every rank)` (`ncclAllReduce`).
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        same_len("all_reduce", "send", send.len(), "recv", recv.len())?;
+        self.typed(Collective::AllReduce, send.len(), op, send, recv)
+    }
+
+    /// In-place all-reduce: `buf = op(buf of every rank)`.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed_in_place(Collective::AllReduce, buf.len(), op, buf)
+    }
+
+    /// The root's `send` is copied into every rank's `recv` (`ncclBroadcast`); `send` is
+    /// only read on the root (other ranks may pass an empty slice).
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        if self.rank == root {
+            same_len("broadcast", "send", send.len(), "recv", recv.len())?;
+        }
+        let c = Collective::Broadcast { root };
+        self.typed(c, recv.len(), ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place broadcast (`ncclBcast`): the root's `buf` overwrites everyone's.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        self.typed_in_place(
+            Collective::Broadcast { root },
+            buf.len(),
+            ReduceOp::Sum,
+            buf,
+        )
+    }
+
+    /// The root's `recv = op(send of every rank)` (`ncclReduce`); `recv` is only written on
+    /// the root (other ranks may pass an empty slice).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root("reduce", root)?;
+        if self.rank == root {
+            same_len("reduce", "send", send.len(), "recv", recv.len())?;
+        }
+        self.typed(Collective::Reduce { root }, send.len(), op, send, recv)
+    }
+
+    /// In-place reduce: the root's `buf` becomes the reduction.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root("reduce", root)?;
+        self.typed_in_place(Collective::Reduce { root }, buf.len(), op, buf)
+    }
+
+    /// `recv` = every rank's `send`, concatenated by rank (`ncclAllGather`);
+    /// `recv.len() == size() * send.len()`.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.times_size("all_gather", "recv", recv.len(), "send", send.len())?;
+        self.typed(Collective::AllGather, send.len(), ReduceOp::Sum, send, recv)
+    }
+
+    /// In-place all-gather: rank `r` puts its part at `buf[r * n .. (r + 1) * n]`
+    /// (`n = buf.len() / size()`), and every part ends up everywhere.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let count = self.block_of("all_gather", buf.len())?;
+        self.typed_in_place(Collective::AllGather, count, ReduceOp::Sum, buf)
+    }
+
+    /// `recv` = block `rank()` of the reduction of every rank's `send`
+    /// (`ncclReduceScatter`); `send.len() == size() * recv.len()`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.times_size("reduce_scatter", "send", send.len(), "recv", recv.len())?;
+        self.typed(Collective::ReduceScatter, recv.len(), op, send, recv)
+    }
+
+    /// In-place reduce-scatter: the result lands in `buf[r * n .. (r + 1) * n]` on rank
+    /// `r` (`n = buf.len() / size()`).
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let count = self.block_of("reduce_scatter", buf.len())?;
+        self.typed_in_place(Collective::ReduceScatter, count, op, buf)
+    }
+
+    /// Block `j` of this rank's `send` goes to rank `j`; block `i` of `recv` comes from
+    /// rank `i` (`ncclAlltoAll`). Both have `size()` equal blocks.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        same_len("all_to_all", "send", send.len(), "recv", recv.len())?;
+        let count = self.block_of("all_to_all", send.len())?;
+        self.typed(Collective::AllToAll, count, ReduceOp::Sum, send, recv)
+    }
+
+    /// The root's `recv` = every rank's `send`, concatenated by rank (`ncclGather`).
+    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.check_root("gather", root)?;
+        if self.rank == root {
+            self.times_size("gather", "recv", recv.len(), "send", send.len())?;
+        }
+        self.typed(
+            Collective::Gather { root },
+            send.len(),
+            ReduceOp::Sum,
+            send,
+            recv,
+        )
+    }
+
+    /// Block `r` of the root's `send` goes to rank `r`'s `recv` (`ncclScatter`).
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        self.check_root("scatter", root)?;
+        if self.rank == root {
+            self.times_size("scatter", "send", send.len(), "recv", recv.len())?;
+        }
+        self.typed(
+            Collective::Scatter { root },
+            recv.len(),
+            ReduceOp::Sum,
+            send,
+            recv,
+        )
+    }
+
+    /// Sends `buf` to `peer`, which must post a matching [`Communicator::recv`]
+    /// (`ncclSend`).
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.check_peer("send", peer)?;
+        self.typed(
+            Collective::Send { peer },
+            buf.len(),
+            ReduceOp::Sum,
+            buf,
+            &mut [],
+        )
+    }
+
+    /// Receives into `buf` from `peer` (`ncclRecv`).
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        self.typed(
+            Collective::Recv { peer },
+            buf.len(),
+            ReduceOp::Sum,
+            &[],
+            buf,
+        )
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.all_reduce_in_place(&mut [0u8], ReduceOp::Sum)
+    }
+
+    /// Starts a group: the operations added to it run together when it ends
+    /// (`ncclGroupStart` … `ncclGroupEnd`), so a send and a receive between two ranks in
+    /// one group cannot wait on each other.
+    pub fn group(&self) -> Group<'_, '_> {
+        Group {
+            comm: self,
+            ops: Vec::new(),
+            _buffers: PhantomData,
+        }
+    }
+
+    // ----- untyped entry points ----------------------------------------------------
+
+    /// Runs a collective over raw buffers (the C API's entry point): `count` is NCCL's
+    /// count argument for `collective`, `input`/`output` are NCCL's send and receive
+    /// buffers (equal, or offset as NCCL defines, for in-place calls).
+    ///
+    /// # Safety
+    /// The buffers must hold the elements the call reads and writes
+    /// ([`Collective::buffer_lens`]), stay valid and untouched by others for the call,
+    /// and overlap only as an in-place call defines.
+    pub unsafe fn collective_raw(
+        &self,
+        collective: Collective,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        input: *const u8,
+        output: *mut u8,
+    ) -> Result<()> {
+        if let Some(root) = collective.root() {
+            self.check_root(collective.name(), root)?;
+        }
+        let raw = RawOp {
+            collective,
+            count,
+            dtype,
+            op,
+            input,
+            output,
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.run(&[raw]) }
+    }
+
+    fn typed<T: Element>(
+        &self,
+        collective: Collective,
+        count: usize,
+        op: ReduceOp,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<()> {
+        let (in_len, out_len) = collective.buffer_lens(count, self.rank, self.nranks);
+        check_len(collective, "send", send.len(), in_len)?;
+        check_len(collective, "recv", recv.len(), out_len)?;
+        let raw = RawOp {
+            collective,
+            count,
+            dtype: T::DTYPE,
+            op,
+            input: send.as_ptr() as *const u8,
+            output: recv.as_mut_ptr() as *mut u8,
+        };
+        // SAFETY: the slices have the lengths the plan uses (checked above), are
+        // borrowed for the whole call, and do not overlap (Rust borrows).
+        unsafe { self.run(&[raw]) }
+    }
+
+    fn typed_in_place<T: Element>(
+        &self,
+        collective: Collective,
+        count: usize,
+        op: ReduceOp,
+        buf: &mut [T],
+    ) -> Result<()> {
+        let (in_len, out_len) = collective.buffer_lens(count, self.rank, self.nranks);
+        let base = buf.as_mut_ptr();
+        let elem = std::mem::size_of::<T>();
+        let (input, output) = match (
+            collective.input_in_output(count, self.rank),
+            collective.output_in_input(count, self.rank),
+        ) {
+            (_, Some(at)) => {
+                check_len(collective, "buf", buf.len(), in_len)?;
+                // SAFETY: `at + out_len <= in_len == buf.len()` by the collective's layout.
+                (base as *const u8, unsafe { base.add(at) } as *mut u8)
+            }
+            (Some(at), _) => {
+                check_len(collective, "buf", buf.len(), out_len.max(in_len + at))?;
+                // SAFETY: `at + in_len <= buf.len()` as checked.
+                (unsafe { base.add(at) } as *const u8, base as *mut u8)
+            }
+            (None, None) => {
+                // The call has no output on this rank (a reduce's non-root): the buffer
+                // is only read.
+                check_len(collective, "buf", buf.len(), in_len.max(out_len))?;
+                (base as *const u8, base as *mut u8)
+            }
+        };
+        debug_assert_eq!(elem, T::DTYPE.size());
+        let raw = RawOp {
+            collective,
+            count,
+            dtype: T::DTYPE,
+            op,
+            input,
+            output,
+        };
+        // SAFETY: input and output lie in `buf` as NCCL's in-place layout prescribes,
+        // with the lengths checked above; `buf` is borrowed mutably for the call.
+        unsafe { self.run(&[raw]) }
+    }
+
+    /// Plans, then executes, a list of operations issued together.
+    ///
+    /// # Safety
+    /// As [`Communicator::collective_raw`], for every operation.
+    unsafe fn run(&self, raws: &[RawOp]) -> Result<()> {
+        let mut plans = Vec::with_capacity(raws.len());
+        let mut ops = Vec::with_capacity(raws.len());
+        for raw in raws {
+            let elem = raw.dtype.size();
+            let options = PlanOptions {
+                chunk_elems: (self.config.chunk_bytes / elem).max(1),
+                rings: self.rings.clone(),
+            };
+            plans.push(plan::plan(
+                raw.collective,
+                raw.count,
+                self.rank,
+                self.nranks,
+                &options,
+            )?);
+            let reducing = raw.collective.is_reducing();
+            let op = if reducing { raw.op } else { ReduceOp::Sum };
+            ops.push(OpBuffers {
+                input: raw.input,
+                output: raw.output,
+                kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+                reducing,
+            });
+        }
+        let plan: Plan = if plans.len() == 1 {
+            plans.pop().expect("one plan")
+        } else {
+            Plan::fuse(plans)?
+        };
+        let name = if raws.len() == 1 {
+            raws[0].collective.name().to_string()
+        } else {
+            "group".to_string()
+        };
+        let mut st = self.lock();
+        if let Some(why) = &st.failure {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                reason: why.clone(),
+            });
+        }
+        let call = CallInfo {
+            op: name,
+            seq: st.seq,
+            deadline: Instant::now() + self.config.timeout,
+        };
+        st.seq += 1;
+        // SAFETY: the buffers are valid as the caller promised; the plan's regions stay
+        // inside them because the plan was made from the same counts.
+        let result = unsafe { engine::execute(&plan, &ops, &mut st.conns, &call) };
+        if let Err(e) = &result {
+            st.failure = Some(e.to_string());
+            let why = match e {
+                Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
+                _ => Closed::ByOwner,
+            };
+            st.conns.close(why);
+            tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
+        }
+        result
+    }
+
+    // ----- argument checks ---------------------------------------------------------
+
+    fn check_root(&self, op: &str, root: usize) -> Result<()> {
+        if root >= self.nranks {
+            return Err(Error::invalid(format!(
+                "{op}: root {root} is not a rank of this communicator (0..{})",
+                self.nranks
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
+        if peer >= self.nranks {
+            return Err(Error::invalid(format!(
+                "{op}: peer {peer} is not a rank of this communicator (0..{})",
+                self.nranks
+            )));
+        }
+        Ok(())
+    }
+
+    fn times_size(
+        &self,
+        op: &str,
+        big: &str,
+        big_len: usize,
+        small: &str,
+        small_len: usize,
+    ) -> Result<()> {
+        if big_len != small_len * self.nranks {
+            return Err(Error::invalid(format!(
+                "{op}: {big} has {big_len} elements but must have {} ({small}'s {small_len} \
+                 x {} ranks)",
+                small_len * self.nranks,
+                self.nranks
+            )));
+        }
+        Ok(())
+    }
+
+    fn block_of(&self, op: &str, len: usize) -> Result<usize> {
+        if !len.is_multiple_of(self.nranks) {
+            return Err(Error::invalid(format!(
+                "{op}: buffer of {len} elements does not split into {} equal blocks",
+                self.nranks
+            )));
+        }
+        Ok(len / self.nranks)
+    }
+}
+
+fn same_len(op: &str, a: &str, a_len: usize, b: &str, b_len: usize) -> Result<()> {
+    if a_len != b_len {
+        return Err(Error::invalid(format!(
+            "{op}: {a} has {a_len} elements but {b} has {b_len}; they must be equal"
+        )));
+    }
+    Ok(())
+}
+
+fn check_len(c: Collective, what: &str, have: usize, need: usize) -> Result<()> {
+    if have < need {
+        return Err(Error::invalid(format!(
+            "{}: {what} has {have} elements, the call needs {need}",
+            c.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Operations issued together on one communicator; see [`Communicator::group`]. The
+/// buffers stay borrowed until [`Group::end`].
+pub struct Group<'c, 'b> {
+    comm: &'c Communicator,
+    ops: Vec<RawOp>,
+    _buffers: PhantomData<&'b mut [u8]>,
+}
+
+impl<'b> Group<'_, 'b> {
+    /// Adds a send of `buf` to `peer`.
+    pub fn send<T: Element>(&mut self, buf: &'b [T], peer: usize) -> Result<&mut Self> {
+        self.comm.check_peer("send", peer)?;
+        self.ops.push(RawOp {
+            collective: Collective::Send { peer },
+            count: buf.len(),
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            input: buf.as_ptr() as *const u8,
+            output: std::ptr::null_mut(),
+        });
+        Ok(self)
+    }
+
+    /// Adds a receive into `buf` from `peer`.
+    pub fn recv<T: Element>(&mut self, buf: &'b mut [T], peer: usize) -> Result<&mut Self> {
+        self.comm.check_peer("recv", peer)?;
+        self.ops.push(RawOp {
+            collective: Collective::Recv { peer },
+            count: buf.len(),
+            dtype: T::DTYPE,
+            op: ReduceOp::Sum,
+            input: std::ptr::null(),
+            output: buf.as_mut_ptr() as *mut u8,
+        });
+        Ok(self)
+    }
+
+    /// Adds an all-reduce.
+    pub fn all_reduce<T: Element>(
+        &mut self,
+        send: &'b [T],
+        recv: &'b mut [T],
+        op: ReduceOp,
+    ) -> Result<&mut Self> {
+        same_len("all_reduce", "send", send.len(), "recv", recv.len())?;
+        self.ops.push(RawOp {
+            collective: Collective::AllReduce,
+            count: send.len(),
+            dtype: T::DTYPE,
+            op,
+            input: send.as_ptr() as *const u8,
+            output: recv.as_mut_ptr() as *mut u8,
+        });
+        Ok(self)
+    }
+
+    /// Runs every operation of the group together.
+    pub fn end(self) -> Result<()> {
+        if self.ops.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: every buffer is borrowed for 'b, which outlives this call, with the
+        // length its operation uses.
+        unsafe { self.comm.run(&self.ops) }
+    }
+}
+
+#[cfg(test)]
+mod tests;

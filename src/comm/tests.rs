@@ -1,0 +1,136 @@
+//! Communicator unit tests: argument checks, groups, split, abort. The full grid of
+//! collectives × dtypes × ops × counts lives in `tests/collectives.rs`.
+
+use super::*;
+
+fn comms(n: usize) -> Vec<Communicator> {
+    let config = CommConfig {
+        timeout: std::time::Duration::from_secs(30),
+        slot_bytes: 4096,
+        chunk_bytes: 4 * 4096,
+        ..CommConfig::default()
+    };
+    Communicator::init_all_with(n, config).unwrap()
+}
+
+/// Runs `f(comm)` on every rank, each in its own thread; returns the results by rank.
+fn on_all<R: Send>(comms: &[Communicator], f: impl Fn(&Communicator) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn all_reduce_on_threads() {
+    let cs = comms(3);
+    let out = on_all(&cs, |c| {
+        let send: Vec<f32> = (0..1000).map(|i| (c.rank() * 1000 + i) as f32).collect();
+        let mut recv = vec![0f32; 1000];
+        c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+        recv
+    });
+    for r in out {
+        for (i, v) in r.iter().enumerate() {
+            assert_eq!(*v, (3 * i + 3000) as f32);
+        }
+    }
+}
+
+#[test]
+fn wrong_arguments_are_named_and_leave_the_communicator_usable() {
+    let cs = comms(2);
+    let c = &cs[0];
+    let err = c
+        .all_reduce(&[1i32, 2], &mut [0i32; 3], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("send has 2 elements but recv has 3"),
+        "{err}"
+    );
+    let err = c.broadcast(&[1u8], &mut [0u8], 2).unwrap_err();
+    assert!(err.to_string().contains("root 2"), "{err}");
+    let err = c.all_gather(&[1u8; 3], &mut [0u8; 5]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("recv has 5 elements but must have 6"),
+        "{err}"
+    );
+    let err = c.all_gather_in_place(&mut [0u8; 5]).unwrap_err();
+    assert!(err.to_string().contains("2 equal blocks"), "{err}");
+    let err = c.send(&[1u8], 7).unwrap_err();
+    assert!(err.to_string().contains("peer 7"), "{err}");
+    assert!(c.failure().is_none());
+    on_all(&cs, |c| c.barrier().unwrap());
+}
+
+#[test]
+fn group_send_recv_in_both_directions_cannot_deadlock() {
+    // Each rank sends far more than a FIFO holds to its neighbour while receiving from
+    // the other neighbour, in one group.
+    let cs = comms(4);
+    let n = 4;
+    let out = on_all(&cs, |c| {
+        let r = c.rank();
+        let send: Vec<u64> = (0..200_000).map(|i| (r * 1_000_000 + i) as u64).collect();
+        let mut from_prev = vec![0u64; 200_000];
+        let mut g = c.group();
+        g.send(&send, (r + 1) % n).unwrap();
+        g.recv(&mut from_prev, (r + n - 1) % n).unwrap();
+        g.end().unwrap();
+        from_prev
+    });
+    for (r, got) in out.iter().enumerate() {
+        let prev = (r + n - 1) % n;
+        assert!(
+            got.iter()
+                .enumerate()
+                .all(|(i, v)| *v == (prev * 1_000_000 + i) as u64)
+        );
+    }
+}
+
+#[test]
+fn split_makes_independent_sub_communicators() {
+    let cs = comms(4);
+    let out = on_all(&cs, |c| {
+        // Even and odd ranks, in reverse order of rank.
+        let sub = c
+            .split(Some((c.rank() % 2) as u32), -(c.rank() as i32))
+            .unwrap()
+            .unwrap();
+        let mut buf = [c.rank() as i64 + 1];
+        sub.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+        let none = c.split(None, 0).unwrap();
+        assert!(none.is_none());
+        (sub.rank(), sub.size(), buf[0])
+    });
+    // Ranks 0 and 2 sum 1 + 3; ranks 1 and 3 sum 2 + 4; the higher parent rank is 0.
+    assert_eq!(out, [(1, 2, 4), (1, 2, 6), (0, 2, 4), (0, 2, 6)]);
+}
+
+#[test]
+fn abort_fails_the_peers_that_wait() {
+    let cs = comms(2);
+    let out = on_all(&cs, |c| {
+        if c.rank() == 1 {
+            c.abort();
+            let err = c.barrier().unwrap_err();
+            assert!(matches!(err, Error::Aborted { .. }), "{err}");
+            None
+        } else {
+            Some(c.barrier().unwrap_err())
+        }
+    });
+    match &out[0] {
+        Some(Error::PeerFailed {
+            failed_rank: 1,
+            detail,
+            ..
+        }) => {
+            assert!(detail.contains("rank 1 aborted"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,390 @@
+//! Runs plans: moves data through the FIFOs and reduces it with the host kernels.
+//!
+//! [`execute`] runs one rank's [`Plan`] to completion in the calling thread (a blocking
+//! call on host memory needs no hand-off to another thread). All lanes progress
+//! together: the engine sweeps over them, advancing each as far as its FIFOs allow, one
+//! slot-sized slice at a time; a step that receives reads the peer's slot in place
+//! (reducing straight from it into the destination or into the next peer's slot) and
+//! hands it back at once.
+//!
+//! When a sweep moves nothing the rank waits, in three stages so that eight ranks on two
+//! cores still run at full speed: a short spin (a reply from a rank on another core
+//! takes well under a microsecond), then a few `sched_yield`s (let a rank that shares
+//! this core run), then sleep on the rank's [bell](crate::transport::bell) until a peer
+//! rings it. Each sleep is bounded, so the deadline is honoured and dead peers are
+//! noticed: before sleeping the engine looks at the peers it waits on — a peer that
+//! closed its communicator, or whose process is gone, ends the call with
+//! [`Error::PeerFailed`] naming the rank that failed first.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::plan::{Buf, Plan, Region, Step};
+use crate::reduce::Kernel;
+use crate::transport::bell::Closed;
+use crate::transport::{Connections, PeerState};
+
+/// Sweeps without progress spent spinning before yielding.
+const SPIN_SWEEPS: u32 = 64;
+/// Sweeps without progress spent yielding before sleeping.
+const YIELD_SWEEPS: u32 = 16;
+/// Longest single sleep (a sleeping rank wakes at least this often to check on peers).
+const MAX_SLEEP: Duration = Duration::from_millis(50);
+/// How often a waiting rank asks the kernel whether the processes it waits on exist.
+const PROCESS_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// One operation's buffers and arithmetic, as the engine needs them.
+#[derive(Clone, Copy, Debug)]
+pub struct OpBuffers {
+    /// Start of the input buffer (may be null when the plan never reads it).
+    pub input: *const u8,
+    /// Start of the output buffer (may be null when the plan never writes it).
+    pub output: *mut u8,
+    /// Element type and reduction.
+    pub kernel: Kernel,
+    /// Whether the operation reduces (pre/post operations and reductions apply).
+    pub reducing: bool,
+}
+
+/// What a call is, for error messages and the deadline.
+#[derive(Clone, Debug)]
+pub struct CallInfo {
+    /// The operation's name (`all_reduce`, `group`, …).
+    pub op: String,
+    /// Its sequence number on the communicator.
+    pub seq: u64,
+    /// When it must be done by.
+    pub deadline: Instant,
+}
+
+#[derive(Clone, Copy, Default)]
+struct LaneState {
+    step: usize,
+    /// Elements of the current step already done.
+    done: usize,
+}
+
+/// Runs `plan` on this rank until every lane is done, or fails.
+///
+/// # Safety
+/// Every region of the plan must lie inside the buffer it names in `ops` (input regions
+/// readable, output regions writable), those buffers must stay valid and unused by
+/// anything else for the whole call, and input and output may overlap only as the plan's
+/// collective allows for in-place calls.
+pub unsafe fn execute(
+    plan: &Plan,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    call: &CallInfo,
+) -> Result<()> {
+    let mut lanes = vec![LaneState::default(); plan.lanes.len()];
+    let start = Instant::now();
+    let mut idle_sweeps = 0u32;
+    let mut last_process_check = start;
+    loop {
+        let mut progressed = false;
+        let mut unfinished = false;
+        for (li, lane) in plan.lanes.iter().enumerate() {
+            // SAFETY: forwarded from this function's contract.
+            progressed |=
+                unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns)? };
+            unfinished |= lanes[li].step < lane.steps.len();
+        }
+        if !unfinished {
+            return Ok(());
+        }
+        if progressed {
+            idle_sweeps = 0;
+            continue;
+        }
+        idle_sweeps += 1;
+        if idle_sweeps <= SPIN_SWEEPS {
+            std::hint::spin_loop();
+            continue;
+        }
+        if idle_sweeps <= SPIN_SWEEPS + YIELD_SWEEPS {
+            std::thread::yield_now();
+            continue;
+        }
+        // Sleep: announce it, look once more, check on the peers, then wait for a ring.
+        let seq = conns.bell().prepare_sleep();
+        let mut progressed = false;
+        for (li, lane) in plan.lanes.iter().enumerate() {
+            // SAFETY: as above.
+            progressed |=
+                unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns)? };
+        }
+        if progressed {
+            conns.bell().cancel_sleep();
+            idle_sweeps = 0;
+            continue;
+        }
+        let waiting_on = blocked_peers(plan, &lanes);
+        let now = Instant::now();
+        let check_process = now.duration_since(last_process_check) >= PROCESS_CHECK_INTERVAL;
+        if check_process {
+            last_process_check = now;
+        }
+        for &peer in &waiting_on {
+            let detail = match conns.peer_state(peer, check_process) {
+                PeerState::Alive => continue,
+                PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
+                PeerState::Closed(Closed::PeerFailed(first)) => (
+                    first,
+                    format!("rank {first} failed (reported by rank {peer}, which aborted)"),
+                ),
+                PeerState::Closed(_) => (
+                    peer,
+                    format!("rank {peer} aborted or destroyed its communicator"),
+                ),
+            };
+            conns.bell().cancel_sleep();
+            return Err(Error::PeerFailed {
+                op: call.op.clone(),
+                seq: call.seq,
+                rank: conns.rank(),
+                failed_rank: detail.0,
+                detail: detail.1,
+            });
+        }
+        if now >= call.deadline {
+            conns.bell().cancel_sleep();
+            return Err(Error::Timeout {
+                op: call.op.clone(),
+                seq: call.seq,
+                rank: conns.rank(),
+                waiting_on,
+                waited: now.duration_since(start),
+            });
+        }
+        let nap = MAX_SLEEP
+            .min(call.deadline - now)
+            .min(PROCESS_CHECK_INTERVAL);
+        conns.bell().sleep(seq, nap);
+    }
+}
+
+/// The peers the unfinished lanes are waiting on (their current steps' peers).
+fn blocked_peers(plan: &Plan, lanes: &[LaneState]) -> Vec<usize> {
+    let mut peers: Vec<usize> = plan
+        .lanes
+        .iter()
+        .zip(lanes)
+        .filter_map(|(lane, st)| lane.steps.get(st.step))
+        .flat_map(|s| s.recv_from().into_iter().chain(s.send_to()))
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    peers
+}
+
+/// Address of element `skip` of `region`.
+///
+/// # Safety
+/// The region must lie inside its buffer (see [`execute`]).
+unsafe fn addr(ops: &[OpBuffers], region: &Region, skip: usize) -> *mut u8 {
+    let op = &ops[region.op];
+    let base = match region.buf {
+        Buf::Input => op.input as *mut u8,
+        Buf::Output => op.output,
+    };
+    let elem = op.kernel.dtype().size();
+    // SAFETY: within the buffer by the caller's contract.
+    unsafe { base.add((region.offset + skip) * elem) }
+}
+
+/// Advances one lane as far as its FIFOs allow; returns whether it moved.
+///
+/// # Safety
+/// As [`execute`].
+unsafe fn advance(
+    steps: &[Step],
+    channel: usize,
+    st: &mut LaneState,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+) -> Result<bool> {
+    let mut moved = false;
+    while let Some(step) = steps.get(st.step) {
+        let len = step.len();
+        if let Step::Copy { src, dst } = *step {
+            // SAFETY: regions inside their buffers by contract.
+            unsafe { local_copy(ops, &src, &dst) };
+            st.step += 1;
+            moved = true;
+            continue;
+        }
+        let (to, from) = (step.send_to(), step.recv_from());
+        // Elements per slice: every region of a step belongs to the same operation.
+        let op_index = match *step {
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => dst.op,
+            Step::Send { src, .. }
+            | Step::CopySend { src, .. }
+            | Step::RecvReduceSend { src, .. }
+            | Step::RecvReduceCopy { src, .. }
+            | Step::RecvReduceCopySend { src, .. }
+            | Step::Copy { src, .. } => src.op,
+        };
+        let op = ops[op_index];
+        let elem = op.kernel.dtype().size();
+        let geometry = conns.geometry();
+        let per_slice = geometry.slot_bytes / elem;
+        let (send, recv) = conns.ends(channel, to, from);
+        let (mut send, mut recv) = match (
+            to.is_some() == send.is_some(),
+            from.is_some() == recv.is_some(),
+        ) {
+            (true, true) => (send, recv),
+            _ => {
+                return Err(Error::invalid(format!(
+                    "engine: no connection for step `{step}` on channel {channel} (plan and \
+                     transport configuration disagree)"
+                )));
+            }
+        };
+        let mut rang_to = false;
+        let mut rang_from = false;
+        while st.done < len {
+            let n = per_slice.min(len - st.done);
+            let bytes = n * elem;
+            let inbound = match recv.as_deref_mut() {
+                Some(r) => match r.try_peek() {
+                    Some((p, got)) => {
+                        if got != bytes {
+                            return Err(Error::invalid(format!(
+                                "engine: step `{step}` expected a slice of {bytes} bytes from \
+                                 rank {} but got {got} (ranks called different operations or \
+                                 counts?)",
+                                from.unwrap_or(usize::MAX)
+                            )));
+                        }
+                        Some(p)
+                    }
+                    None => break,
+                },
+                None => None,
+            };
+            let outbound = match send.as_deref_mut() {
+                Some(s) => match s.try_reserve() {
+                    Some(p) => Some(p),
+                    None => break,
+                },
+                None => None,
+            };
+            // SAFETY: slots are owned by this side between peek/reserve and
+            // release/commit and hold `bytes`; regions are in bounds by contract.
+            unsafe { move_slice(step, ops, &op, st.done, n, inbound, outbound) };
+            if let Some(r) = recv.as_deref_mut() {
+                r.release();
+                rang_from = true;
+            }
+            if let Some(s) = send.as_deref_mut() {
+                s.commit(bytes);
+                rang_to = true;
+            }
+            st.done += n;
+            moved = true;
+        }
+        if rang_to && let Some(p) = to {
+            conns.ring(p);
+        }
+        if rang_from && let Some(p) = from {
+            conns.ring(p);
+        }
+        if st.done < len {
+            return Ok(moved);
+        }
+        st.step += 1;
+        st.done = 0;
+    }
+    Ok(moved)
+}
+
+/// A `Copy` step: `dst = src`, or `dst = post(pre(src))` in a reducing operation.
+///
+/// # Safety
+/// Regions inside their buffers.
+unsafe fn local_copy(ops: &[OpBuffers], src: &Region, dst: &Region) {
+    let op = &ops[dst.op];
+    // SAFETY: forwarded.
+    let (s, d) = unsafe { (addr(ops, src, 0) as *const u8, addr(ops, dst, 0)) };
+    let n = src.len;
+    if op.reducing {
+        // SAFETY: `pre` allows dst == src; regions are in bounds.
+        unsafe {
+            op.kernel.pre(d, s, n);
+            op.kernel.post(d, n);
+        }
+    } else if !std::ptr::eq(s, d) {
+        // SAFETY: in bounds; `copy` tolerates overlap.
+        unsafe { std::ptr::copy(s, d, n * op.kernel.dtype().size()) };
+    }
+}
+
+/// Moves one slice of `n` elements starting `skip` elements into the step.
+///
+/// # Safety
+/// `inbound` / `outbound` are slots of at least `n` elements owned by this side, present
+/// exactly when the step receives / sends; regions in bounds.
+unsafe fn move_slice(
+    step: &Step,
+    ops: &[OpBuffers],
+    op: &OpBuffers,
+    skip: usize,
+    n: usize,
+    inbound: Option<*const u8>,
+    outbound: Option<*mut u8>,
+) {
+    let bytes = n * op.kernel.dtype().size();
+    let k = &op.kernel;
+    // SAFETY (whole block): the caller guarantees the slots and regions; slots never
+    // overlap user buffers, so non-overlapping copies between them are sound, and the
+    // kernels allow their destination to equal an operand.
+    unsafe {
+        let x = inbound.unwrap_or(std::ptr::null());
+        let o = outbound.unwrap_or(std::ptr::null_mut());
+        match *step {
+            Step::Send { src, .. } => {
+                let s = addr(ops, &src, skip);
+                if op.reducing && src.buf == Buf::Input {
+                    k.pre(o, s, n);
+                } else {
+                    std::ptr::copy_nonoverlapping(s, o, bytes);
+                }
+            }
+            Step::Recv { dst, .. } => {
+                std::ptr::copy_nonoverlapping(x, addr(ops, &dst, skip), bytes);
+            }
+            Step::CopySend { src, dst, .. } => {
+                let (s, d) = (addr(ops, &src, skip), addr(ops, &dst, skip));
+                if op.reducing && src.buf == Buf::Input {
+                    k.pre(o, s, n);
+                } else {
+                    std::ptr::copy_nonoverlapping(s, o, bytes);
+                }
+                if s != d {
+                    std::ptr::copy_nonoverlapping(o, d, bytes);
+                }
+            }
+            Step::RecvReduceSend { src, .. } => {
+                k.reduce(o, x, addr(ops, &src, skip), n);
+            }
+            Step::RecvReduceCopy { src, dst, .. } => {
+                let d = addr(ops, &dst, skip);
+                k.reduce(d, x, addr(ops, &src, skip), n);
+                k.post(d, n);
+            }
+            Step::RecvReduceCopySend { src, dst, .. } => {
+                let d = addr(ops, &dst, skip);
+                k.reduce(d, x, addr(ops, &src, skip), n);
+                k.post(d, n);
+                std::ptr::copy_nonoverlapping(d, o, bytes);
+            }
+            Step::RecvCopySend { dst, .. } => {
+                std::ptr::copy_nonoverlapping(x, addr(ops, &dst, skip), bytes);
+                std::ptr::copy_nonoverlapping(x, o, bytes);
+            }
+            Step::Copy { .. } => unreachable!("copy steps are not sliced"),
+        }
+    }
+}
