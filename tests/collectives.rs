@@ -1,0 +1,223 @@
+//! Every collective, on ranks that are threads, against a serial reference: ranks 1–8 ×
+//! counts 0, 1, 2, 7, 1023, 65 537 × all 12 dtypes × all ops × every root × in place and
+//! out of place, plus counts of 16 Mi elements and more. `tests/shm_processes.rs` runs
+//! the same checks with ranks as processes over `/dev/shm`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{collectives, ops, run_and_check};
+use ferroccl::comm::CommConfig;
+use ferroccl::plan::Collective;
+use ferroccl::{Communicator, DataType, ReduceOp};
+
+const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
+
+fn config(channels: usize) -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(120),
+        channels,
+        // Small slots so that 65 537 elements take many slices and chunks.
+        slot_bytes: 16 << 10,
+        chunk_bytes: 4 * (16 << 10),
+        ..CommConfig::default()
+    }
+}
+
+/// Runs `calls` on every rank (one thread each) and returns every mismatch found.
+fn run_grid(
+    n: usize,
+    channels: usize,
+    calls: &[(Collective, DataType, ReduceOp, usize, bool)],
+) -> Vec<String> {
+    let comms = Communicator::init_all_with(n, config(channels)).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let mut wrong = Vec::new();
+                    for &(c, dtype, op, count, in_place) in calls {
+                        let r = with_dtype!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place));
+                        if let Err(e) = r {
+                            if comm.failure().is_some() {
+                                // The communicator is dead: stop, so peers fail fast too.
+                                comm.abort();
+                                wrong.push(e);
+                                break;
+                            }
+                            wrong.push(e);
+                        }
+                    }
+                    wrong
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    })
+}
+
+/// The full grid for `n` ranks.
+fn grid(n: usize) -> Vec<(Collective, DataType, ReduceOp, usize, bool)> {
+    let mut calls = Vec::new();
+    for c in collectives(n) {
+        for dtype in DataType::ALL {
+            let op_list: Vec<ReduceOp> = if c.is_reducing() {
+                ops().to_vec()
+            } else {
+                vec![ReduceOp::Sum]
+            };
+            for op in op_list {
+                for count in COUNTS {
+                    for in_place in [false, true] {
+                        if in_place && c == Collective::AllToAll {
+                            continue;
+                        }
+                        calls.push((c, dtype, op, count, in_place));
+                    }
+                }
+            }
+        }
+    }
+    calls
+}
+
+fn check_ranks(n: usize, channels: usize) {
+    let calls = grid(n);
+    let wrong = run_grid(n, channels, &calls);
+    assert!(
+        wrong.is_empty(),
+        "{} of {} checks failed on {n} ranks, e.g.:\n{}",
+        wrong.len(),
+        calls.len() * n,
+        wrong
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+fn one_rank() {
+    check_ranks(1, 1);
+}
+
+#[test]
+fn two_ranks() {
+    check_ranks(2, 1);
+}
+
+#[test]
+fn three_ranks_two_channels() {
+    check_ranks(3, 2);
+}
+
+#[test]
+fn four_ranks() {
+    check_ranks(4, 1);
+}
+
+#[test]
+fn five_ranks_three_channels() {
+    check_ranks(5, 3);
+}
+
+#[test]
+fn six_ranks() {
+    check_ranks(6, 1);
+}
+
+#[test]
+fn seven_ranks_two_channels() {
+    check_ranks(7, 2);
+}
+
+#[test]
+fn eight_ranks() {
+    check_ranks(8, 1);
+}
+
+#[test]
+fn sixteen_mebi_elements_and_more() {
+    let big = 16 << 20;
+    let calls = [
+        (
+            Collective::AllReduce,
+            DataType::Float32,
+            ReduceOp::Sum,
+            big + 1,
+            false,
+        ),
+        (
+            Collective::AllReduce,
+            DataType::Bfloat16,
+            ReduceOp::Max,
+            big,
+            true,
+        ),
+        (
+            Collective::ReduceScatter,
+            DataType::Int32,
+            ReduceOp::Sum,
+            big / 3 + 5,
+            false,
+        ),
+        (
+            Collective::Broadcast { root: 2 },
+            DataType::Float64,
+            ReduceOp::Sum,
+            big,
+            false,
+        ),
+        (
+            Collective::AllGather,
+            DataType::Uint8,
+            ReduceOp::Sum,
+            big,
+            true,
+        ),
+    ];
+    let wrong = run_grid(3, 2, &calls);
+    assert!(wrong.is_empty(), "{wrong:?}");
+}
+
+#[test]
+fn two_communicators_used_concurrently_from_one_process() {
+    // Two independent groups of 3 ranks, each rank thread driving one communicator of
+    // each group alternately, while the other group's calls are in flight.
+    let a = Communicator::init_all_with(3, config(1)).unwrap();
+    let b = Communicator::init_all_with(3, config(2)).unwrap();
+    let wrong: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = a
+            .iter()
+            .zip(&b)
+            .map(|(ca, cb)| {
+                s.spawn(move || {
+                    let mut wrong = Vec::new();
+                    for count in [1usize, 1023, 65_537] {
+                        for (comm, op) in [
+                            (ca, ReduceOp::Sum),
+                            (cb, ReduceOp::Max),
+                            (ca, ReduceOp::Min),
+                        ] {
+                            if let Err(e) =
+                                run_and_check::<i64>(comm, Collective::AllReduce, op, count, false)
+                            {
+                                wrong.push(e);
+                            }
+                        }
+                    }
+                    wrong
+                })
+            })
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert!(wrong.is_empty(), "{wrong:?}");
+}

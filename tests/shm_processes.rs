@@ -1,0 +1,252 @@
+//! Ranks as processes over `/dev/shm`: the collective grid of `tests/collectives.rs`, and
+//! what happens when one rank is killed in the middle of an all-reduce.
+//!
+//! This test binary is its own rank program: the parent (run by `cargo test`) starts
+//! copies of itself with `FERROCCL_TEST_ROLE` set, so it uses no harness (a custom
+//! `main`) and prints libtest's summary line itself.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{collectives, ops, run_and_check};
+use ferroccl::bootstrap::UniqueId;
+use ferroccl::comm::CommConfig;
+use ferroccl::plan::Collective;
+use ferroccl::{Communicator, DataType, ReduceOp};
+
+const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
+/// Exit code of a surviving rank that reported the failure of a peer.
+const SAW_FAILURE: i32 = 3;
+
+fn main() -> ExitCode {
+    if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
+        return ExitCode::from(child(&role));
+    }
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let tests: [(&str, TestFn); 3] = [
+        ("grid_on_four_processes", || grid_on_processes(4)),
+        ("grid_on_seven_processes", || grid_on_processes(7)),
+        (
+            "killed_rank_is_named_by_every_survivor",
+            killed_rank_is_named,
+        ),
+    ];
+    let start = Instant::now();
+    let (mut passed, mut failed) = (0, 0);
+    for (name, test) in tests {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let t = Instant::now();
+        match test() {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok ({:.1?})", t.elapsed());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED\n{e}");
+            }
+        }
+    }
+    println!(
+        "\ntest result: {}. {passed} passed; {failed} failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
+        if failed == 0 { "ok" } else { "FAILED" },
+        start.elapsed().as_secs_f64()
+    );
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// A test: `Err` carries the failure message.
+type TestFn = fn() -> Result<(), String>;
+
+fn config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(60),
+        slot_bytes: 16 << 10,
+        chunk_bytes: 4 * (16 << 10),
+        ..CommConfig::default()
+    }
+}
+
+/// Starts `n` copies of this binary as ranks of one communicator.
+fn spawn_ranks(role: &str, n: usize) -> Vec<Child> {
+    let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    (0..n)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .env("FERROCCL_TEST_ROLE", role)
+                .env("FERROCCL_TEST_ID", id.to_string())
+                .env("FERROCCL_TEST_RANK", rank.to_string())
+                .env("FERROCCL_TEST_NRANKS", n.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn wait_all(children: Vec<Child>, limit: Duration) -> Result<Vec<(i32, String, String)>, String> {
+    let deadline = Instant::now() + limit;
+    let mut outs = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        loop {
+            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+                let mut out = String::new();
+                let mut err = String::new();
+                child.stdout.take().unwrap().read_to_string(&mut out).ok();
+                child.stderr.take().unwrap().read_to_string(&mut err).ok();
+                outs.push((status.code().unwrap_or(-1), out, err));
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                return Err(format!("rank {rank} still running after {limit:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(outs)
+}
+
+fn grid_on_processes(n: usize) -> Result<(), String> {
+    let outs = wait_all(spawn_ranks("grid", n), Duration::from_secs(300))?;
+    for (rank, (code, out, err)) in outs.iter().enumerate() {
+        if *code != 0 || !out.contains("checks passed") {
+            return Err(format!("rank {rank} exited {code}:\n{out}\n{err}"));
+        }
+    }
+    Ok(())
+}
+
+fn killed_rank_is_named() -> Result<(), String> {
+    let n = 4;
+    let victim = 2;
+    let mut children = spawn_ranks("loop", n);
+    // Wait until every rank has completed an all-reduce, so all are mid-loop.
+    for (rank, child) in children.iter_mut().enumerate() {
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        if !line.starts_with("running") {
+            return Err(format!("rank {rank} did not start: {line:?}"));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let prefix = format!("ferroccl-{}-", children[0].id());
+    children[victim].kill().map_err(|e| e.to_string())?;
+    let killed_at = Instant::now();
+    let outs = wait_all(children, Duration::from_secs(60))?;
+    let took = killed_at.elapsed();
+    for (rank, (code, _, err)) in outs.iter().enumerate() {
+        if rank == victim {
+            continue;
+        }
+        if *code != SAW_FAILURE {
+            return Err(format!(
+                "rank {rank} exited {code}, want {SAW_FAILURE}:\n{err}"
+            ));
+        }
+        if !(err.contains("rank 2 died") || err.contains("rank 2 failed"))
+            || !err.contains("all_reduce #")
+        {
+            return Err(format!(
+                "rank {rank} did not name rank 2 and the call:\n{err}"
+            ));
+        }
+    }
+    // Detected by liveness, well before the 60 s collective timeout.
+    if took > Duration::from_secs(10) {
+        return Err(format!("survivors took {took:?} to give up"));
+    }
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|f| f.starts_with(&prefix))
+        .collect();
+    if !left.is_empty() {
+        return Err(format!("left in /dev/shm: {left:?}"));
+    }
+    println!(
+        "  survivors reported rank {victim}'s death {took:.2?} after the kill, e.g. {:?}",
+        outs[0].2.trim()
+    );
+    Ok(())
+}
+
+/// A rank process.
+fn child(role: &str) -> u8 {
+    let var = |k: &str| std::env::var(k).unwrap();
+    let id: UniqueId = var("FERROCCL_TEST_ID").parse().unwrap();
+    let rank: usize = var("FERROCCL_TEST_RANK").parse().unwrap();
+    let n: usize = var("FERROCCL_TEST_NRANKS").parse().unwrap();
+    let comm = match Communicator::init_rank_with(&id, n, rank, config()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("init: {e}");
+            return 1;
+        }
+    };
+    match role {
+        "grid" => {
+            let mut checks = 0;
+            for c in collectives(n) {
+                for dtype in DataType::ALL {
+                    let op_list: Vec<ReduceOp> = if c.is_reducing() {
+                        ops().to_vec()
+                    } else {
+                        vec![ReduceOp::Sum]
+                    };
+                    for op in op_list {
+                        for count in COUNTS {
+                            for in_place in [false, true] {
+                                if in_place && c == Collective::AllToAll {
+                                    continue;
+                                }
+                                let r = with_dtype!(dtype, T => run_and_check::<T>(&comm, c, op, count, in_place));
+                                if let Err(e) = r {
+                                    eprintln!("{e}");
+                                    return 1;
+                                }
+                                checks += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            println!("{checks} checks passed");
+            0
+        }
+        "loop" => {
+            let send = vec![1.0f32; 4 << 20];
+            let mut recv = vec![0.0f32; 4 << 20];
+            let mut announced = false;
+            loop {
+                if let Err(e) = comm.all_reduce(&send, &mut recv, ReduceOp::Sum) {
+                    eprintln!("{e}");
+                    return SAW_FAILURE as u8;
+                }
+                if !announced {
+                    println!("running");
+                    announced = true;
+                }
+            }
+        }
+        other => {
+            eprintln!("unknown role {other}");
+            2
+        }
+    }
+}
