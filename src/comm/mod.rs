@@ -34,7 +34,8 @@ pub struct Communicator {
     rank: usize,
     nranks: usize,
     config: CommConfig,
-    rings: Vec<Vec<usize>>,
+    /// Plan options for element sizes 1, 2, 4 and 8 bytes (the chunk is in elements).
+    plan_options: [PlanOptions; 4],
     boot: Bootstrap,
     state: Mutex<State>,
     splits: AtomicU64,
@@ -46,7 +47,13 @@ struct State {
     seq: u64,
     /// Set once a call failed while moving data, or on abort.
     failure: Option<String>,
+    /// The plan of the last single-operation call: loops that repeat one call (training
+    /// steps, benchmarks) plan once.
+    last_plan: Option<(PlanKey, Plan)>,
 }
+
+/// What a single-operation plan depends on besides the communicator.
+type PlanKey = (Collective, usize, usize);
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -141,16 +148,21 @@ impl Communicator {
                 force_shm: config.force_shm,
             },
         )?;
+        let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
+            chunk_elems: (config.chunk_bytes / elem).max(1),
+            rings: rings.clone(),
+        });
         Ok(Communicator {
             rank,
             nranks,
             config,
-            rings,
+            plan_options,
             boot,
             state: Mutex::new(State {
                 conns,
                 seq: 0,
                 failure: None,
+                last_plan: None,
             }),
             splits: AtomicU64::new(0),
         })
@@ -520,21 +532,8 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::collective_raw`], for every operation.
     unsafe fn run(&self, raws: &[RawOp]) -> Result<()> {
-        let mut plans = Vec::with_capacity(raws.len());
         let mut ops = Vec::with_capacity(raws.len());
         for raw in raws {
-            let elem = raw.dtype.size();
-            let options = PlanOptions {
-                chunk_elems: (self.config.chunk_bytes / elem).max(1),
-                rings: self.rings.clone(),
-            };
-            plans.push(plan::plan(
-                raw.collective,
-                raw.count,
-                self.rank,
-                self.nranks,
-                &options,
-            )?);
             let reducing = raw.collective.is_reducing();
             let op = if reducing { raw.op } else { ReduceOp::Sum };
             ops.push(OpBuffers {
@@ -544,16 +543,6 @@ impl Communicator {
                 reducing,
             });
         }
-        let plan: Plan = if plans.len() == 1 {
-            plans.pop().expect("one plan")
-        } else {
-            Plan::fuse(plans)?
-        };
-        let name = if raws.len() == 1 {
-            raws[0].collective.name().to_string()
-        } else {
-            "group".to_string()
-        };
         let mut st = self.lock();
         if let Some(why) = &st.failure {
             return Err(Error::Aborted {
@@ -561,15 +550,37 @@ impl Communicator {
                 reason: why.clone(),
             });
         }
+        let (plan, name) = match raws {
+            [raw] => {
+                let key = (raw.collective, raw.count, raw.dtype.size());
+                if st.last_plan.as_ref().is_none_or(|(k, _)| *k != key) {
+                    let plan = self.plan_one(raw)?;
+                    st.last_plan = Some((key, plan));
+                }
+                (None, raw.collective.name())
+            }
+            _ => {
+                let plans = raws
+                    .iter()
+                    .map(|raw| self.plan_one(raw))
+                    .collect::<Result<Vec<_>>>()?;
+                (Some(Plan::fuse(plans)?), "group")
+            }
+        };
         let call = CallInfo {
             op: name,
             seq: st.seq,
             deadline: Instant::now() + self.config.timeout,
         };
         st.seq += 1;
+        let st = &mut *st;
+        let plan = match &plan {
+            Some(fused) => fused,
+            None => &st.last_plan.as_ref().expect("planned above").1,
+        };
         // SAFETY: the buffers are valid as the caller promised; the plan's regions stay
         // inside them because the plan was made from the same counts.
-        let result = unsafe { engine::execute(&plan, &ops, &mut st.conns, &call) };
+        let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
         if let Err(e) = &result {
             st.failure = Some(e.to_string());
             let why = match e {
@@ -580,6 +591,11 @@ impl Communicator {
             tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
         }
         result
+    }
+
+    fn plan_one(&self, raw: &RawOp) -> Result<Plan> {
+        let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
+        plan::plan(raw.collective, raw.count, self.rank, self.nranks, options)
     }
 
     // ----- argument checks ---------------------------------------------------------

@@ -67,6 +67,8 @@ pub struct Connections {
     peer_bells: Vec<Option<Bell>>,
     liveness: Vec<Option<Liveness>>,
     geometry: Geometry,
+    /// More ranks on this host than cores to run them.
+    oversubscribed: bool,
 }
 
 impl std::fmt::Debug for Connections {
@@ -211,6 +213,8 @@ impl Connections {
         }
         boot.barrier()?;
         drop(created);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let oversubscribed = boot.local_ranks().len() > cores;
         tracing::debug!(
             "rank {rank}: connected to {} peers over {channels} channel(s), FIFOs of {} x {} B",
             nranks - 1,
@@ -227,6 +231,7 @@ impl Connections {
             peer_bells,
             liveness,
             geometry: config.geometry,
+            oversubscribed,
         })
     }
 
@@ -243,6 +248,12 @@ impl Connections {
     /// The FIFO shape.
     pub fn geometry(&self) -> Geometry {
         self.geometry
+    }
+
+    /// Whether this host runs more ranks than it has cores (waiting then yields the core
+    /// instead of spinning).
+    pub fn oversubscribed(&self) -> bool {
+        self.oversubscribed
     }
 
     fn channel_index(&self, channel: usize) -> Option<usize> {
