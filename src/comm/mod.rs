@@ -14,12 +14,13 @@ mod config;
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 pub use config::CommConfig;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::engine::progress::{Pending, ProgressThread, Turns, pending};
 use crate::engine::{self, CallInfo, OpBuffers};
 use crate::error::{Error, Result};
 use crate::plan::{self, Collective, Plan, PlanOptions};
@@ -39,6 +40,10 @@ pub struct Communicator {
     boot: Bootstrap,
     state: Mutex<State>,
     splits: AtomicU64,
+    /// Issue order of calls, shared by blocking and asynchronous ones.
+    turns: Turns,
+    /// Runs asynchronous calls; started by the first one.
+    progress: OnceLock<ProgressThread>,
 }
 
 struct State {
@@ -165,6 +170,8 @@ impl Communicator {
                 last_plan: None,
             }),
             splits: AtomicU64::new(0),
+            turns: Turns::default(),
+            progress: OnceLock::new(),
         })
     }
 
@@ -211,7 +218,10 @@ impl Communicator {
     /// `NCCL_SPLIT_NOCOLOR`) takes part without joining any. Collective over this
     /// communicator.
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
-        let _serial = self.lock();
+        self.turns.run_blocking(|| self.split_in_turn(color, key))
+    }
+
+    fn split_in_turn(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
         let generation = self.splits.fetch_add(1, Ordering::SeqCst);
         let mut mine = Vec::with_capacity(12);
         mine.extend_from_slice(&color.map_or(-1i64, i64::from).to_le_bytes());
@@ -424,6 +434,44 @@ impl Communicator {
         }
     }
 
+    // ----- asynchronous calls ------------------------------------------------------
+
+    /// Runs `call` on this communicator's progress thread, after every call issued
+    /// before it (blocking or not) and before every call issued after it; returns at once.
+    /// The progress thread starts on first use. This is what `ProcessGroup`-style
+    /// asynchronous APIs build on.
+    pub fn submit<R: Send + 'static>(
+        self: &Arc<Self>,
+        call: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<Pending<R>> {
+        let thread = match self.progress.get() {
+            Some(t) => t,
+            None => {
+                let t = ProgressThread::start(format!("ferroccl-progress-r{}", self.rank))?;
+                // Another thread may have won the race; its thread is used, ours dropped.
+                let _ = self.progress.set(t);
+                self.progress.get().expect("set above")
+            }
+        };
+        let (pending, complete) = pending();
+        let ticket = self.turns.ticket();
+        let comm = Arc::clone(self);
+        thread.submit(Box::new(move || {
+            let result = comm.turns.run_in_turn(ticket, || call(&comm));
+            complete(result);
+        }))?;
+        Ok(pending)
+    }
+
+    /// Asynchronous in-place all-reduce of an owned buffer, handed back when done.
+    pub fn all_reduce_async<T: Element>(
+        self: &Arc<Self>,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Pending<Vec<T>>> {
+        self.submit(move |comm| comm.all_reduce_in_place(&mut buf, op).map(|()| buf))
+    }
+
     // ----- untyped entry points ----------------------------------------------------
 
     /// Runs a collective over raw buffers (the C API's entry point): `count` is NCCL's
@@ -532,6 +580,16 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::collective_raw`], for every operation.
     unsafe fn run(&self, raws: &[RawOp]) -> Result<()> {
+        // SAFETY: forwarded; the call runs before `run` returns.
+        self.turns
+            .run_blocking(|| unsafe { self.run_in_turn(raws) })
+    }
+
+    /// [`Communicator::run`], once it is this call's turn.
+    ///
+    /// # Safety
+    /// As [`Communicator::run`].
+    unsafe fn run_in_turn(&self, raws: &[RawOp]) -> Result<()> {
         let mut ops = Vec::with_capacity(raws.len());
         for raw in raws {
             let reducing = raw.collective.is_reducing();

@@ -14,7 +14,7 @@ fn comms(n: usize) -> Vec<Communicator> {
 }
 
 /// Runs `f(comm)` on every rank, each in its own thread; returns the results by rank.
-fn on_all<R: Send>(comms: &[Communicator], f: impl Fn(&Communicator) -> R + Sync) -> Vec<R> {
+fn on_all<C: Sync, R: Send>(comms: &[C], f: impl Fn(&C) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -132,5 +132,38 @@ fn abort_fails_the_peers_that_wait() {
             assert!(detail.contains("rank 1 aborted"), "{detail}")
         }
         other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn asynchronous_calls_keep_issue_order_with_blocking_ones() {
+    let cs: Vec<Arc<Communicator>> = comms(3).into_iter().map(Arc::new).collect();
+    let out = on_all(&cs, |c| {
+        let r = c.rank() as i64;
+        // Issue two async all-reduces, then a blocking one, then another async one. If
+        // any rank ran them out of order the sums (or the buffer sizes) would not match.
+        let a = c.all_reduce_async(vec![r; 1000], ReduceOp::Sum).unwrap();
+        let b = c.all_reduce_async(vec![10 * r; 7], ReduceOp::Max).unwrap();
+        let mut blocking = [100 * r; 3];
+        c.all_reduce_in_place(&mut blocking, ReduceOp::Sum).unwrap();
+        let d = c
+            .submit(|comm| {
+                let mut v = [comm.rank() as u8 + 1];
+                comm.all_reduce_in_place(&mut v, ReduceOp::Prod)?;
+                Ok(v[0])
+            })
+            .unwrap();
+        (
+            a.wait().unwrap(),
+            b.wait().unwrap(),
+            blocking,
+            d.wait().unwrap(),
+        )
+    });
+    for (a, b, blocking, d) in out {
+        assert_eq!(a, vec![3; 1000]);
+        assert_eq!(b, vec![20; 7]);
+        assert_eq!(blocking, [300; 3]);
+        assert_eq!(d, 6);
     }
 }

@@ -15,6 +15,11 @@
 //! noticed: before sleeping the engine looks at the peers it waits on — a peer that
 //! closed its communicator, or whose process is gone, ends the call with
 //! [`Error::PeerFailed`] naming the rank that failed first.
+//!
+//! Asynchronous calls run on a per-communicator progress thread ([`progress`]), in the
+//! same issue order as blocking ones.
+
+pub mod progress;
 
 use std::time::{Duration, Instant};
 

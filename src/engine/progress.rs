@@ -1,0 +1,234 @@
+//! Asynchronous calls: one progress thread per communicator, and the ticket order that
+//! keeps blocking and asynchronous calls in the order they were issued.
+//!
+//! Every call on a communicator takes a ticket when it is issued and runs only when all
+//! earlier tickets are done, so a rank's calls reach the wire in issue order — which is
+//! what makes them match the other ranks' — whether they run in the caller's thread
+//! (blocking calls: no hand-off) or on the progress thread (asynchronous calls, fed by a
+//! queue, started on first use).
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+thread_local! {
+    /// Set while this thread runs a call in its turn, so that calls made from inside it
+    /// (an asynchronous job calling a blocking method) do not queue behind themselves.
+    static IN_TURN: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Issue-order tickets.
+#[derive(Debug, Default)]
+pub struct Turns {
+    issued: AtomicU64,
+    done: Mutex<u64>,
+    advanced: Condvar,
+}
+
+impl Turns {
+    /// Takes the next ticket.
+    pub fn ticket(&self) -> u64 {
+        self.issued.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, u64> {
+        self.done.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until every ticket before `ticket` is done, runs `f`, then lets the next
+    /// ticket go.
+    pub fn run_in_turn<R>(&self, ticket: u64, f: impl FnOnce() -> R) -> R {
+        let mut done = self.lock();
+        while *done != ticket {
+            done = self.advanced.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(done);
+        struct Finish<'a>(&'a Turns);
+        impl Drop for Finish<'_> {
+            fn drop(&mut self) {
+                IN_TURN.with(|t| t.set(false));
+                *self.0.lock() += 1;
+                self.0.advanced.notify_all();
+            }
+        }
+        IN_TURN.with(|t| t.set(true));
+        let _finish = Finish(self);
+        f()
+    }
+
+    /// Runs `f` now if this thread is already inside its turn, else in a new turn.
+    pub fn run_blocking<R>(&self, f: impl FnOnce() -> R) -> R {
+        if IN_TURN.with(Cell::get) {
+            f()
+        } else {
+            let t = self.ticket();
+            self.run_in_turn(t, f)
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread that runs submitted jobs one after another.
+#[derive(Debug)]
+pub struct ProgressThread {
+    queue: Mutex<Option<Sender<Job>>>,
+    handle: Mutex<Option<JoinHandle<()>>>,
+    id: ThreadId,
+}
+
+impl ProgressThread {
+    /// Starts the thread.
+    pub fn start(name: String) -> Result<Self> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let handle = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .map_err(|e| Error::io("start the progress thread", e))?;
+        Ok(ProgressThread {
+            id: handle.thread().id(),
+            queue: Mutex::new(Some(tx)),
+            handle: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// Queues `job`.
+    pub fn submit(&self, job: Job) -> Result<()> {
+        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        match queue.as_ref() {
+            Some(tx) => tx.send(job).map_err(|_| Error::Aborted {
+                rank: usize::MAX,
+                reason: "the progress thread has stopped".into(),
+            }),
+            None => Err(Error::Aborted {
+                rank: usize::MAX,
+                reason: "the communicator is being destroyed".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for ProgressThread {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has run what was queued.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // The last owner may be a job on the progress thread itself: it cannot join
+        // itself, and it ends on its own once the queue is closed.
+        if let Some(h) = handle
+            && std::thread::current().id() != self.id
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The result of an asynchronous call, once it is done.
+#[derive(Debug)]
+pub struct Pending<R> {
+    rx: Receiver<Result<R>>,
+    ready: Option<Result<R>>,
+}
+
+/// Makes a [`Pending`] and the function that completes it.
+pub fn pending<R: Send + 'static>() -> (Pending<R>, impl FnOnce(Result<R>) + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    (Pending { rx, ready: None }, move |r| drop(tx.send(r)))
+}
+
+impl<R> Pending<R> {
+    fn poll(&mut self, wait: Option<Duration>) {
+        if self.ready.is_some() {
+            return;
+        }
+        let got = match wait {
+            None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(d) => self.rx.recv_timeout(d),
+        };
+        self.ready = match got {
+            Ok(r) => Some(r),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Err(Error::Aborted {
+                rank: usize::MAX,
+                reason: "the call was dropped before it ran (communicator destroyed)".into(),
+            })),
+        };
+    }
+
+    /// Whether the call has finished (successfully or not).
+    pub fn is_completed(&mut self) -> bool {
+        self.poll(Some(Duration::ZERO));
+        self.ready.is_some()
+    }
+
+    /// Waits for the call and returns its result.
+    pub fn wait(mut self) -> Result<R> {
+        self.poll(None);
+        self.ready
+            .take()
+            .expect("a blocking poll always yields a result")
+    }
+
+    /// Waits at most `timeout`; `Err(self)` if the call is still running.
+    pub fn wait_timeout(mut self, timeout: Duration) -> std::result::Result<Result<R>, Self> {
+        self.poll(Some(timeout));
+        match self.ready.take() {
+            Some(r) => Ok(r),
+            None => Err(self),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn tickets_run_in_issue_order_across_threads() {
+        let turns = Arc::new(Turns::default());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let tickets: Vec<u64> = (0..8).map(|_| turns.ticket()).collect();
+        let hs: Vec<_> = tickets
+            .into_iter()
+            .rev()
+            .map(|t| {
+                let (turns, log) = (turns.clone(), log.clone());
+                std::thread::spawn(move || turns.run_in_turn(t, || log.lock().unwrap().push(t)))
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        assert_eq!(*log.lock().unwrap(), (0..8).collect::<Vec<_>>());
+        // Inside a turn, a blocking call runs at once instead of waiting for itself.
+        let t = turns.ticket();
+        assert_eq!(turns.run_in_turn(t, || turns.run_blocking(|| 42)), 42);
+    }
+
+    #[test]
+    fn pending_results_arrive() {
+        let thread = ProgressThread::start("test-progress".into()).unwrap();
+        let (p, complete) = pending::<u32>();
+        thread
+            .submit(Box::new(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                complete(Ok(7));
+            }))
+            .unwrap();
+        let p = match p.wait_timeout(Duration::ZERO) {
+            Err(p) => p,
+            Ok(r) => panic!("done too early: {r:?}"),
+        };
+        assert_eq!(p.wait().unwrap(), 7);
+    }
+}
