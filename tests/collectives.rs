@@ -221,3 +221,58 @@ fn two_communicators_used_concurrently_from_one_process() {
     });
     assert!(wrong.is_empty(), "{wrong:?}");
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        // Each case builds its own communicator (shape, chunk and channels vary).
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn random_calls_match_the_reference(
+            n in 1usize..=6,
+            count in 0usize..5000,
+            dtype_index in 0usize..12,
+            op_index in 0usize..6,
+            which in 0usize..8,
+            root_seed in 0usize..6,
+            chunk_slots in 1usize..=4,
+            slot_kib in prop::sample::select(vec![1usize, 4, 16]),
+            channels in 1usize..=3,
+            in_place in any::<bool>(),
+        ) {
+            let root = root_seed % n;
+            let c = [
+                Collective::AllReduce,
+                Collective::AllGather,
+                Collective::ReduceScatter,
+                Collective::AllToAll,
+                Collective::Broadcast { root },
+                Collective::Reduce { root },
+                Collective::Gather { root },
+                Collective::Scatter { root },
+            ][which];
+            let in_place = in_place && c != Collective::AllToAll;
+            let config = CommConfig {
+                timeout: Duration::from_secs(60),
+                channels,
+                slot_bytes: slot_kib << 10,
+                chunk_bytes: chunk_slots * (slot_kib << 10),
+                ..CommConfig::default()
+            };
+            let comms = Communicator::init_all_with(n, config).unwrap();
+            let (dtype, op) = (DataType::ALL[dtype_index], ops()[op_index]);
+            let wrong: Vec<String> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .iter()
+                    .map(|comm| s.spawn(move || {
+                        with_dtype!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
+                    }))
+                    .collect();
+                hs.into_iter().filter_map(|h| h.join().unwrap()).collect()
+            });
+            prop_assert!(wrong.is_empty(), "{:?}", wrong);
+        }
+    }
+}

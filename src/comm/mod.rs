@@ -213,6 +213,20 @@ impl Communicator {
         st.conns.close(Closed::ByOwner);
     }
 
+    /// Destroys the communicator (`ncclCommDestroy`): waits for its asynchronous calls to
+    /// finish, then releases its connections. Peers still waiting on this rank learn
+    /// that it left. Dropping the communicator does the same.
+    pub fn destroy(self) -> Result<()> {
+        // Runs after every call issued so far, then lets the progress thread end.
+        self.turns.run_blocking(|| ());
+        let (rank, failure) = (self.rank, self.failure());
+        drop(self);
+        match failure {
+            Some(reason) if reason != "aborted by the user" => Err(Error::Aborted { rank, reason }),
+            _ => Ok(()),
+        }
+    }
+
     /// Creates sub-communicators (`ncclCommSplit`): ranks passing the same `color` end up
     /// in one, ordered by `key` and then by their rank here; `None` (NCCL's
     /// `NCCL_SPLIT_NOCOLOR`) takes part without joining any. Collective over this
