@@ -633,8 +633,8 @@ pub fn plan(
         Collective::Broadcast { root } => b.ring_broadcast(root),
         Collective::Reduce { root } => b.ring_reduce(root),
         Collective::AllToAll => b.direct_all_to_all(),
-        Collective::Gather { root } => b.direct_gather(root),
-        Collective::Scatter { root } => b.direct_scatter(root),
+        Collective::Gather { root } => b.direct_rooted(root, true),
+        Collective::Scatter { root } => b.direct_rooted(root, false),
         Collective::Send { peer } => vec![lane(
             P2P_CHANNEL,
             vec![Step::Send {
@@ -664,6 +664,11 @@ pub fn plan(
 
 fn lane(channel: usize, steps: Vec<Step>) -> Lane {
     Lane { channel, steps }
+}
+
+/// A lane of channel 0 with a single step.
+fn one(step: Step) -> Lane {
+    lane(0, vec![step])
 }
 
 /// Shared inputs of the plan builders.
@@ -951,92 +956,70 @@ impl Builder<'_> {
     /// All-to-all as direct exchanges: one lane per peer and direction, all in flight
     /// together, so no ordering between peers can deadlock.
     fn direct_all_to_all(&self) -> Vec<Lane> {
-        let (me, count) = (self.rank, self.count);
-        let mut lanes = vec![lane(
-            0,
-            vec![Step::Copy {
-                src: Region::input(me * count, count),
-                dst: Region::output(me * count, count),
-            }],
-        )];
-        for k in 1..self.nranks {
-            let to = (me + k) % self.nranks;
-            let from = (me + self.nranks - k) % self.nranks;
-            lanes.push(lane(
-                0,
-                vec![Step::Send {
-                    to,
-                    src: Region::input(to * count, count),
-                }],
-            ));
-            lanes.push(lane(
-                0,
-                vec![Step::Recv {
-                    from,
-                    dst: Region::output(from * count, count),
-                }],
-            ));
+        let (me, n, count) = (self.rank, self.nranks, self.count);
+        let mut lanes = vec![one(Step::Copy {
+            src: Region::input(me * count, count),
+            dst: Region::output(me * count, count),
+        })];
+        for k in 1..n {
+            let (to, from) = ((me + k) % n, (me + n - k) % n);
+            lanes.push(one(Step::Send {
+                to,
+                src: Region::input(to * count, count),
+            }));
+            lanes.push(one(Step::Recv {
+                from,
+                dst: Region::output(from * count, count),
+            }));
         }
         lanes
     }
 
-    fn direct_gather(&self, root: usize) -> Vec<Lane> {
+    /// Gather (`to_root`: every rank's block goes to the root) or scatter (every block
+    /// comes from the root), as direct exchanges with one lane per peer.
+    fn direct_rooted(&self, root: usize, to_root: bool) -> Vec<Lane> {
         let (me, count) = (self.rank, self.count);
+        // On the root, block `r` of all blocks; on every rank, its own block.
+        let block = |r: usize| {
+            if to_root {
+                Region::output(r * count, count)
+            } else {
+                Region::input(r * count, count)
+            }
+        };
+        let own = if to_root {
+            Region::input(0, count)
+        } else {
+            Region::output(0, count)
+        };
+        // Moves `region` between this rank and `peer`, in the collective's direction.
+        let exchange = |peer: usize, region: Region, towards_peer: bool| {
+            if towards_peer {
+                Step::Send {
+                    to: peer,
+                    src: region,
+                }
+            } else {
+                Step::Recv {
+                    from: peer,
+                    dst: region,
+                }
+            }
+        };
         if me != root {
-            return vec![lane(
-                0,
-                vec![Step::Send {
-                    to: root,
-                    src: Region::input(0, count),
-                }],
-            )];
+            return vec![one(exchange(root, own, to_root))];
         }
-        let mut lanes = vec![lane(
-            0,
-            vec![Step::Copy {
-                src: Region::input(0, count),
-                dst: Region::output(me * count, count),
-            }],
-        )];
-        lanes.extend((0..self.nranks).filter(|&r| r != me).map(|from| {
-            lane(
-                0,
-                vec![Step::Recv {
-                    from,
-                    dst: Region::output(from * count, count),
-                }],
-            )
-        }));
-        lanes
-    }
-
-    fn direct_scatter(&self, root: usize) -> Vec<Lane> {
-        let (me, count) = (self.rank, self.count);
-        if me != root {
-            return vec![lane(
-                0,
-                vec![Step::Recv {
-                    from: root,
-                    dst: Region::output(0, count),
-                }],
-            )];
-        }
-        let mut lanes = vec![lane(
-            0,
-            vec![Step::Copy {
-                src: Region::input(me * count, count),
-                dst: Region::output(0, count),
-            }],
-        )];
-        lanes.extend((0..self.nranks).filter(|&r| r != me).map(|to| {
-            lane(
-                0,
-                vec![Step::Send {
-                    to,
-                    src: Region::input(to * count, count),
-                }],
-            )
-        }));
+        let (src, dst) = if to_root {
+            (own, block(me))
+        } else {
+            (block(me), own)
+        };
+        let mut lanes = vec![one(Step::Copy { src, dst })];
+        lanes.extend(
+            (0..self.nranks)
+                .filter(|&r| r != me)
+                .map(|peer| one(exchange(peer, block(peer), !to_root))),
+        );
         lanes
     }
 }
