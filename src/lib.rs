@@ -19,6 +19,7 @@
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
 //! - [`comm`]: the NCCL-shaped [`Communicator`].
+//! - [`launch`]: starting and supervising a node's ranks (`ferrorun`, perf tools' `-np`).
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
 //!
 //! # Example: an all-reduce on four ranks (threads)
@@ -69,6 +70,7 @@ pub mod bootstrap;
 pub mod comm;
 pub mod engine;
 pub mod error;
+pub mod launch;
 pub mod plan;
 pub mod reduce;
 pub mod store;
