@@ -80,4 +80,6 @@ pub mod types;
 
 pub use comm::Communicator;
 pub use error::{Error, Result};
+/// The `half` crate, whose `f16` and `bf16` are ferroccl's 16-bit float elements.
+pub use half;
 pub use types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp, Scalar};

@@ -486,6 +486,73 @@ macro_rules! element_f8 {
 
 element_f8!(F8E4M3 => Float8E4M3, F8E5M2 => Float8E5M2);
 
+/// Runs `$body` with the type alias `$T` bound to the Rust type of the [`DataType`]
+/// value `$dtype` — the bridge from a run-time data type to generic code over
+/// [`Element`]:
+///
+/// ```
+/// use ferroccl::{DataType, Element, with_element_type};
+/// fn size_of_elem(d: DataType) -> usize {
+///     with_element_type!(d, T => std::mem::size_of::<T>())
+/// }
+/// assert_eq!(size_of_elem(DataType::Bfloat16), 2);
+/// ```
+#[macro_export]
+macro_rules! with_element_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DataType::Int8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::DataType::Uint8 => {
+                type $T = u8;
+                $body
+            }
+            $crate::DataType::Int32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DataType::Uint32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::DataType::Int64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DataType::Uint64 => {
+                type $T = u64;
+                $body
+            }
+            $crate::DataType::Float16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DataType::Float32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DataType::Float64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DataType::Bfloat16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            $crate::DataType::Float8E4M3 => {
+                type $T = $crate::F8E4M3;
+                $body
+            }
+            $crate::DataType::Float8E5M2 => {
+                type $T = $crate::F8E5M2;
+                $body
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,7 +39,7 @@ fn run_grid(
                 s.spawn(move || {
                     let mut wrong = Vec::new();
                     for &(c, dtype, op, count, in_place) in calls {
-                        let r = with_dtype!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place));
+                        let r = ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place));
                         if let Err(e) = r {
                             if comm.failure().is_some() {
                                 // The communicator is dead: stop, so peers fail fast too.
@@ -267,7 +267,7 @@ mod properties {
                 let hs: Vec<_> = comms
                     .iter()
                     .map(|comm| s.spawn(move || {
-                        with_dtype!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
+                        ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
                     }))
                     .collect();
                 hs.into_iter().filter_map(|h| h.join().unwrap()).collect()

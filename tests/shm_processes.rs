@@ -215,7 +215,7 @@ fn child(role: &str) -> u8 {
                                 if in_place && c == Collective::AllToAll {
                                     continue;
                                 }
-                                let r = with_dtype!(dtype, T => run_and_check::<T>(&comm, c, op, count, in_place));
+                                let r = ferroccl::with_element_type!(dtype, T => run_and_check::<T>(&comm, c, op, count, in_place));
                                 if let Err(e) = r {
                                     eprintln!("{e}");
                                     return 1;

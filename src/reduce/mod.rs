@@ -46,68 +46,10 @@ mod x86;
 
 use std::ptr;
 
-use half::{bf16, f16};
-
 use crate::error::{Error, Result};
-use crate::types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp};
+use crate::types::{DataType, Element, ReduceOp};
 
 use self::num::Arith;
-
-/// Runs `$body` with the type alias `$T` bound to the Rust type of `$dtype`.
-macro_rules! with_type {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DataType::Int8 => {
-                type $T = i8;
-                $body
-            }
-            DataType::Uint8 => {
-                type $T = u8;
-                $body
-            }
-            DataType::Int32 => {
-                type $T = i32;
-                $body
-            }
-            DataType::Uint32 => {
-                type $T = u32;
-                $body
-            }
-            DataType::Int64 => {
-                type $T = i64;
-                $body
-            }
-            DataType::Uint64 => {
-                type $T = u64;
-                $body
-            }
-            DataType::Float16 => {
-                type $T = f16;
-                $body
-            }
-            DataType::Float32 => {
-                type $T = f32;
-                $body
-            }
-            DataType::Float64 => {
-                type $T = f64;
-                $body
-            }
-            DataType::Bfloat16 => {
-                type $T = bf16;
-                $body
-            }
-            DataType::Float8E4M3 => {
-                type $T = F8E4M3;
-                $body
-            }
-            DataType::Float8E5M2 => {
-                type $T = F8E5M2;
-                $body
-            }
-        }
-    };
-}
 
 /// The reduction, without its scalar.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,7 +108,7 @@ impl Kernel {
             ReduceOp::Avg => (Op::Avg, 0),
             ReduceOp::PreMulSum(s) => (
                 Op::PreMulSum,
-                with_type!(dtype, T => T::from_scalar(s).to_raw()),
+                crate::with_element_type!(dtype, T => T::from_scalar(s).to_raw()),
             ),
         };
         Ok(Kernel {
@@ -214,7 +156,7 @@ impl Kernel {
             unsafe { x86::reduce_f16(self.op, s, dst.cast(), a.cast(), b.cast(), count) };
             return;
         }
-        with_type!(self.dtype, T => {
+        crate::with_element_type!(self.dtype, T => {
             // SAFETY: the caller's contract, in elements of T (the dtype's type).
             unsafe { reduce_typed::<T>(self.op, self.scalar, dst.cast(), a.cast(), b.cast(), count) }
         })
@@ -241,7 +183,7 @@ impl Kernel {
             unsafe { x86::scale_f16(self.scalar as u16, dst.cast(), src.cast(), count) };
             return;
         }
-        with_type!(self.dtype, T => {
+        crate::with_element_type!(self.dtype, T => {
             // SAFETY: the caller's contract, in elements of T.
             unsafe { scale_typed::<T>(T::from_raw(self.scalar), dst.cast(), src.cast(), count) }
         })
@@ -265,7 +207,7 @@ impl Kernel {
             unsafe { x86::post_f16(self.nranks, buf.cast(), count) };
             return;
         }
-        with_type!(self.dtype, T => {
+        crate::with_element_type!(self.dtype, T => {
             // SAFETY: the caller's contract, in elements of T.
             unsafe { post_typed::<T>(self.nranks, buf.cast(), count) }
         })

@@ -2,7 +2,7 @@ use half::{bf16, f16};
 
 use super::num::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use super::*;
-use crate::types::Scalar;
+use crate::types::{F8E4M3, F8E5M2, Scalar};
 
 thread_local! {
     /// Set by [`on_every_path`]: makes this thread take the portable (baseline) loops

@@ -254,64 +254,6 @@ fn call_in_place<T: Element>(
     }
 }
 
-/// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
-#[macro_export]
-macro_rules! with_dtype {
-    ($dtype:expr, $T:ident => $body:expr) => {{
-        use ferroccl::DataType as D;
-        match $dtype {
-            D::Int8 => {
-                type $T = i8;
-                $body
-            }
-            D::Uint8 => {
-                type $T = u8;
-                $body
-            }
-            D::Int32 => {
-                type $T = i32;
-                $body
-            }
-            D::Uint32 => {
-                type $T = u32;
-                $body
-            }
-            D::Int64 => {
-                type $T = i64;
-                $body
-            }
-            D::Uint64 => {
-                type $T = u64;
-                $body
-            }
-            D::Float16 => {
-                type $T = half::f16;
-                $body
-            }
-            D::Float32 => {
-                type $T = f32;
-                $body
-            }
-            D::Float64 => {
-                type $T = f64;
-                $body
-            }
-            D::Bfloat16 => {
-                type $T = half::bf16;
-                $body
-            }
-            D::Float8E4M3 => {
-                type $T = ferroccl::F8E4M3;
-                $body
-            }
-            D::Float8E5M2 => {
-                type $T = ferroccl::F8E5M2;
-                $body
-            }
-        }
-    }};
-}
-
 /// Every collective with every root of `n` ranks.
 pub fn collectives(n: usize) -> Vec<Collective> {
     let mut all = vec![
