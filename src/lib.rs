@@ -20,6 +20,7 @@
 //! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
 //! - [`comm`]: the NCCL-shaped [`Communicator`].
 //! - [`launch`]: starting and supervising a node's ranks (`ferrorun`, perf tools' `-np`).
+//! - [`perf`]: the nccl-tests-compatible bus-bandwidth tools (`all_reduce_perf`, …).
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
 //!
 //! # Example: an all-reduce on four ranks (threads)
@@ -71,6 +72,7 @@ pub mod comm;
 pub mod engine;
 pub mod error;
 pub mod launch;
+pub mod perf;
 pub mod plan;
 pub mod reduce;
 pub mod store;

@@ -103,7 +103,12 @@ impl Communicator {
     /// `env://` initialisation from the launcher's variables (ferrorun, torchrun, srun,
     /// mpirun; see [`Bootstrap::from_env`]).
     pub fn from_env() -> Result<Self> {
-        let config = CommConfig::from_env()?;
+        Self::from_env_with(CommConfig::from_env()?)
+    }
+
+    /// Like [`Communicator::from_env`], with explicit settings.
+    pub fn from_env_with(config: CommConfig) -> Result<Self> {
+        config.validate()?;
         let (boot, _) = Bootstrap::from_env(&config.bootstrap)?;
         Self::from_bootstrap(boot, config)
     }

@@ -158,7 +158,11 @@ impl Connections {
         let bell_name = |owner: usize| format!("{prefix}-b{owner}");
         // Peers this rank receives from / sends to on channel index `ci`.
         let neighbours = |ci: usize, incoming: bool| -> Vec<usize> {
-            if ci == 0 || ci == channels {
+            if ci == channels {
+                // Point-to-point: every rank, this one included (a rank may send to
+                // itself, as in NCCL).
+                (0..nranks).collect()
+            } else if ci == 0 {
                 (0..nranks).filter(|&r| r != rank).collect()
             } else {
                 let ring = &config.rings[ci];

@@ -1,0 +1,272 @@
+//! The nccl-tests-compatible tools, run as a user runs them: output format, bus-bandwidth
+//! factors, result checking (including a deliberately corrupted result), bad flags, and
+//! every collective × dtype × op on 2 and 3 ranks.
+
+use std::process::{Command, Output};
+
+fn tool(name: &str) -> String {
+    match name {
+        "all_reduce_perf" => env!("CARGO_BIN_EXE_all_reduce_perf"),
+        "all_gather_perf" => env!("CARGO_BIN_EXE_all_gather_perf"),
+        "broadcast_perf" => env!("CARGO_BIN_EXE_broadcast_perf"),
+        "reduce_perf" => env!("CARGO_BIN_EXE_reduce_perf"),
+        "reduce_scatter_perf" => env!("CARGO_BIN_EXE_reduce_scatter_perf"),
+        "alltoall_perf" => env!("CARGO_BIN_EXE_alltoall_perf"),
+        "sendrecv_perf" => env!("CARGO_BIN_EXE_sendrecv_perf"),
+        "gather_perf" => env!("CARGO_BIN_EXE_gather_perf"),
+        "scatter_perf" => env!("CARGO_BIN_EXE_scatter_perf"),
+        other => panic!("no tool {other}"),
+    }
+    .to_string()
+}
+
+const TOOLS: [(&str, bool); 9] = [
+    ("all_reduce_perf", true),
+    ("all_gather_perf", false),
+    ("broadcast_perf", false),
+    ("reduce_perf", true),
+    ("reduce_scatter_perf", true),
+    ("alltoall_perf", false),
+    ("sendrecv_perf", false),
+    ("gather_perf", false),
+    ("scatter_perf", false),
+];
+
+fn run(name: &str, args: &str) -> Output {
+    Command::new(tool(name))
+        .args(args.split_whitespace())
+        .arg("--no-progress")
+        .env_remove("RANK")
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The data rows of a table (lines that do not start with '#').
+fn rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect()
+}
+
+#[test]
+fn output_has_nccl_tests_columns_and_footer() {
+    let out = run("all_reduce_perf", "-t 2 -b 8 -e 1K -f 4 -n 3 -w 1");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let heading = stdout
+        .lines()
+        .find(|l| l.contains("size") && l.contains("redop"))
+        .expect("column headings");
+    let names: Vec<&str> = heading.trim_start_matches('#').split_whitespace().collect();
+    assert_eq!(
+        names,
+        [
+            "size",
+            "count",
+            "type",
+            "redop",
+            "root",
+            "time",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "time",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "algorithm"
+        ]
+    );
+    assert!(stdout.contains("out-of-place") && stdout.contains("in-place"));
+    assert!(stdout.contains("#  Rank  0 Group  0 Pid") && stdout.contains("#  Rank  1"));
+    let rows = rows(&stdout);
+    // Sizes 8, 32, 128, 512.
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for (row, size) in rows.iter().zip([8usize, 32, 128, 512]) {
+        assert_eq!(row.len(), 14, "{row:?}");
+        assert_eq!(row[0], size.to_string());
+        assert_eq!(row[1], (size / 4).to_string());
+        assert_eq!(&row[2..5], ["float", "sum", "-1"]);
+        assert_eq!(row[8], "0");
+        assert_eq!(row[12], "0");
+        for v in [&row[5], &row[6], &row[7], &row[9], &row[10], &row[11]] {
+            assert!(v.parse::<f64>().unwrap() >= 0.0, "{v}");
+        }
+    }
+    let footer: Vec<&str> = stdout.lines().rev().take(3).collect();
+    assert!(
+        footer[2].starts_with("# Out of bounds values : 0 OK"),
+        "{footer:?}"
+    );
+    assert!(
+        footer[1].starts_with("# Avg bus bandwidth    : "),
+        "{footer:?}"
+    );
+}
+
+#[test]
+fn bus_bandwidth_factors_per_collective() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3.0;
+    for (name, _) in TOOLS {
+        let json = dir.path().join(format!("{name}.json"));
+        let out = run(
+            name,
+            &format!("-t 3 -b 1M -e 1M -n 3 -w 1 -J {}", json.display()),
+        );
+        assert!(out.status.success(), "{name}: {}", text(&out.stderr));
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let want = match name {
+            "all_reduce_perf" => 2.0 * (n - 1.0) / n,
+            "broadcast_perf" | "reduce_perf" | "sendrecv_perf" => 1.0,
+            _ => (n - 1.0) / n,
+        };
+        assert_eq!(doc["nranks"], 3);
+        for r in doc["results"].as_array().unwrap() {
+            let m = &r["out_of_place"];
+            let (algbw, busbw, time) = (
+                m["algbw_gbs"].as_f64().unwrap(),
+                m["busbw_gbs"].as_f64().unwrap(),
+                m["time_us"].as_f64().unwrap(),
+            );
+            assert!(
+                (busbw / algbw - want).abs() < 1e-9,
+                "{name}: {busbw} / {algbw}"
+            );
+            let size = r["size"].as_f64().unwrap();
+            assert!(
+                (algbw - size / time / 1e3).abs() < 1e-6 * algbw,
+                "{name}: algbw"
+            );
+            assert_eq!(m["wrong"], 0);
+        }
+    }
+}
+
+#[test]
+fn a_corrupted_result_is_counted_and_fails_the_run() {
+    let out = Command::new(tool("all_reduce_perf"))
+        .args([
+            "-t",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "4K",
+            "-f",
+            "4",
+            "-n",
+            "2",
+            "--no-progress",
+        ])
+        .env("FERROCCL_PERF_CORRUPT", "1")
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    for row in rows(&stdout) {
+        assert_eq!((row[8].as_str(), row[12].as_str()), ("1", "1"), "{row:?}");
+    }
+    assert!(
+        stdout.contains("# Out of bounds values : 4 FAILED"),
+        "{stdout}"
+    );
+    // Without the hook the same run is clean.
+    let clean = run("all_reduce_perf", "-t 2 -b 1K -e 4K -f 4 -n 2");
+    assert!(clean.status.success());
+    assert!(text(&clean.stdout).contains("# Out of bounds values : 0 OK"));
+}
+
+#[test]
+fn bad_flags_give_a_usage_error() {
+    for (args, needle) in [
+        ("-b 1M -e 1K", "-b 1048576 is larger than -e 1024"),
+        ("-d complex64", "complex64"),
+        ("-o median", "median"),
+        ("--frobnicate 1", "--frobnicate"),
+        ("-t 0", "-t 0"),
+    ] {
+        let out = run("all_reduce_perf", args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args}: {stderr}");
+        assert!(stderr.contains(needle), "{args}: {stderr}");
+        assert!(
+            stderr.contains("usage: all_reduce_perf"),
+            "{args}: {stderr}"
+        );
+    }
+    let out = run("reduce_perf", "-t 2 -r 5 -b 8 -e 8");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("-r 5"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn every_collective_dtype_and_op_on_two_and_three_ranks() {
+    for ranks in [2, 3] {
+        for (name, reduces) in TOOLS {
+            let ops = if reduces { "-o all" } else { "" };
+            let out = run(
+                name,
+                &format!("-t {ranks} -d all {ops} -r -1 -b 8 -e 4K -f 8 -n 2 -w 1"),
+            );
+            let stdout = text(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("# Out of bounds values : 0 OK"),
+                "{name} on {ranks} ranks:\n{stdout}\n{}",
+                text(&out.stderr)
+            );
+            let rows = rows(&stdout);
+            let roots = if name.starts_with("broadcast")
+                || name.starts_with("reduce_perf")
+                || name.starts_with("gather")
+                || name.starts_with("scatter")
+            {
+                ranks
+            } else {
+                1
+            };
+            // Sizes 8, 64, 512 and 4096.
+            let want = 12 * if reduces { 6 } else { 1 } * roots * 4;
+            assert_eq!(rows.len(), want, "{name} on {ranks} ranks");
+            let types: std::collections::BTreeSet<&str> =
+                rows.iter().map(|r| r[2].as_str()).collect();
+            assert_eq!(types.len(), 12, "{types:?}");
+        }
+    }
+}
+
+#[test]
+fn processes_csv_and_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (csv, svg) = (dir.path().join("r.csv"), dir.path().join("r.svg"));
+    let out = run(
+        "all_reduce_perf",
+        &format!(
+            "-np 2 -b 8 -e 64K -f 8 -n 5 --csv {} --plot {}",
+            csv.display(),
+            svg.display()
+        ),
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(stdout.contains("nRanks 2"));
+    // Only rank 0 prints the table.
+    assert_eq!(stdout.matches("# Avg bus bandwidth").count(), 1);
+    let csv = std::fs::read_to_string(csv).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(lines[0].starts_with("size,count,type,redop,root,oop_time_us"));
+    assert_eq!(lines.len(), 1 + 5, "sizes 8 B to 32 KiB");
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("bus bandwidth"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+}
