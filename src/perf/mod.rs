@@ -13,7 +13,7 @@
 //! ([`Test::bus_factor`]): the bandwidth each rank's links would need for the algorithm
 //! that moves the least data, so numbers compare across rank counts and libraries.
 //! Ranks come from `-np N` (processes over `/dev/shm`, started through
-//! [`launch`](crate::launch)), `-t N` (threads), or the environment of a launcher.
+//! [`crate::launch`]), `-t N` (threads), or the environment of a launcher.
 
 pub mod args;
 pub mod check;
