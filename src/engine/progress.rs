@@ -23,10 +23,18 @@ thread_local! {
 }
 
 /// Issue-order tickets.
+///
+/// The uncontended path (a blocking call whose turn it already is) costs two atomic
+/// operations; the mutex and condition variable are touched only when a call has to
+/// wait for an earlier one.
 #[derive(Debug, Default)]
 pub struct Turns {
     issued: AtomicU64,
-    done: Mutex<u64>,
+    /// Tickets completed (the ticket whose turn it is).
+    done: AtomicU64,
+    /// Calls blocked waiting for their turn.
+    waiters: AtomicU64,
+    lock: Mutex<()>,
     advanced: Condvar,
 }
 
@@ -36,24 +44,34 @@ impl Turns {
         self.issued.fetch_add(1, Ordering::SeqCst)
     }
 
-    fn lock(&self) -> MutexGuard<'_, u64> {
-        self.done.lock().unwrap_or_else(|p| p.into_inner())
+    fn guard(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits until every ticket before `ticket` is done, runs `f`, then lets the next
     /// ticket go.
     pub fn run_in_turn<R>(&self, ticket: u64, f: impl FnOnce() -> R) -> R {
-        let mut done = self.lock();
-        while *done != ticket {
-            done = self.advanced.wait(done).unwrap_or_else(|p| p.into_inner());
+        if self.done.load(Ordering::SeqCst) != ticket {
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let mut g = self.guard();
+            while self.done.load(Ordering::SeqCst) != ticket {
+                g = self.advanced.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+            drop(g);
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
         }
-        drop(done);
         struct Finish<'a>(&'a Turns);
         impl Drop for Finish<'_> {
             fn drop(&mut self) {
                 IN_TURN.with(|t| t.set(false));
-                *self.0.lock() += 1;
-                self.0.advanced.notify_all();
+                let turns = self.0;
+                turns.done.fetch_add(1, Ordering::SeqCst);
+                // A waiter either saw the new `done` or is counted here; it checks
+                // `done` under the lock, so notifying under the lock cannot be missed.
+                if turns.waiters.load(Ordering::SeqCst) > 0 {
+                    let _g = turns.guard();
+                    turns.advanced.notify_all();
+                }
             }
         }
         IN_TURN.with(|t| t.set(true));
