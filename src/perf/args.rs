@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::types::{DataType, ReduceOp, Scalar};
+use crate::types::{DataType, ReduceOp};
 
 /// The usage text (the tool's name is put in front).
 pub const USAGE: &str = "\
@@ -151,27 +151,24 @@ pub fn parse_size(text: &str) -> Result<usize> {
 }
 
 fn parse_op(text: &str) -> Result<Vec<ReduceOp>> {
-    Ok(match text.to_ascii_lowercase().as_str() {
-        "sum" => vec![ReduceOp::Sum],
-        "prod" => vec![ReduceOp::Prod],
-        "max" => vec![ReduceOp::Max],
-        "min" => vec![ReduceOp::Min],
-        "avg" => vec![ReduceOp::Avg],
-        "mulsum" | "premulsum" => vec![ReduceOp::PreMulSum(Scalar::Int(2))],
-        "all" => vec![
-            ReduceOp::Sum,
-            ReduceOp::Prod,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Avg,
-            ReduceOp::PreMulSum(Scalar::Int(2)),
-        ],
-        _ => {
-            return Err(Error::invalid(format!(
+    let all = super::check::ops();
+    let text = text.to_ascii_lowercase();
+    if text == "all" {
+        return Ok(all.to_vec());
+    }
+    let name = if text == "premulsum" {
+        "mulsum"
+    } else {
+        text.as_str()
+    };
+    all.into_iter()
+        .find(|op| op.name() == name)
+        .map(|op| vec![op])
+        .ok_or_else(|| {
+            Error::invalid(format!(
                 "-o {text:?}: not one of sum, prod, max, min, avg, mulsum, all"
-            )));
-        }
-    })
+            ))
+        })
 }
 
 fn parse_dtype(text: &str) -> Result<Vec<DataType>> {

@@ -319,6 +319,25 @@ pub enum Collective {
 }
 
 impl Collective {
+    /// Every collective (not send or receive) with every root of `nranks` ranks.
+    pub fn every(nranks: usize) -> Vec<Collective> {
+        let mut all = vec![
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::AllToAll,
+        ];
+        for root in 0..nranks {
+            all.extend([
+                Collective::Broadcast { root },
+                Collective::Reduce { root },
+                Collective::Gather { root },
+                Collective::Scatter { root },
+            ]);
+        }
+        all
+    }
+
     /// The operation's name as NCCL spells it in function names (`all_reduce`, …).
     pub fn name(&self) -> &'static str {
         match self {

@@ -100,21 +100,7 @@ fn check(c: Collective, count: usize, n: usize, options: &PlanOptions, in_place:
 }
 
 fn collectives(n: usize) -> Vec<Collective> {
-    let mut all = vec![
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::AllToAll,
-    ];
-    for root in 0..n {
-        all.extend([
-            Collective::Broadcast { root },
-            Collective::Reduce { root },
-            Collective::Gather { root },
-            Collective::Scatter { root },
-        ]);
-    }
-    all
+    Collective::every(n)
 }
 
 #[test]

@@ -135,19 +135,5 @@ fn call_in_place<T: Element>(
 
 /// Every collective with every root of `n` ranks.
 pub fn collectives(n: usize) -> Vec<Collective> {
-    let mut all = vec![
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::AllToAll,
-    ];
-    for root in 0..n {
-        all.extend([
-            Collective::Broadcast { root },
-            Collective::Reduce { root },
-            Collective::Gather { root },
-            Collective::Scatter { root },
-        ]);
-    }
-    all
+    Collective::every(n)
 }
