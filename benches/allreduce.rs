@@ -1,7 +1,7 @@
 //! All-reduce throughput over shared memory: `cargo bench --bench allreduce`.
 //!
 //! Ranks are threads of the bench process, connected through `/dev/shm` FIFOs
-//! (`force_shm`), so this measures the same transport and engine as separate processes.
+//! (`TransportChoice::Shm`), so this measures the same transport and engine as separate processes.
 //! Rank 0 runs under criterion; the other ranks run the same number of calls in their own
 //! threads. Throughput is algorithm bandwidth (buffer bytes / time); nccl-tests' bus
 //! bandwidth is that × 2(n−1)/n.
@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ferroccl::comm::CommConfig;
+use ferroccl::transport::TransportChoice;
 use ferroccl::{Communicator, ReduceOp};
 
 const SIZES: [usize; 4] = [8, 64 << 10, 1 << 20, 64 << 20];
@@ -18,7 +19,7 @@ const SIZES: [usize; 4] = [8, 64 << 10, 1 << 20, 64 << 20];
 fn all_reduce(c: &mut Criterion) {
     for nranks in [2usize, 4] {
         let config = CommConfig {
-            force_shm: true,
+            transport: TransportChoice::Shm,
             ..CommConfig::default()
         };
         let mut comms = Communicator::init_all_with(nranks, config).unwrap();

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::bootstrap::BootstrapOptions;
 use crate::error::{Error, Result};
+use crate::transport::TransportChoice;
 use crate::transport::fifo::Geometry;
 
 /// Settings of a [`Communicator`](super::Communicator).
@@ -18,7 +19,7 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_SLOTS` | `slots` per FIFO | 8 |
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
-/// | `FERROCCL_TRANSPORT=shm` | `force_shm` | off |
+/// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -33,8 +34,9 @@ pub struct CommConfig {
     pub slot_bytes: usize,
     /// Bytes one step of a ring moves (at most half a FIFO, so rings cannot deadlock).
     pub chunk_bytes: usize,
-    /// Use `/dev/shm` FIFOs even between threads of one process.
-    pub force_shm: bool,
+    /// Which transport to use between ranks of one host (TCP is always used across
+    /// hosts).
+    pub transport: TransportChoice,
     /// Rendezvous settings.
     pub bootstrap: BootstrapOptions,
 }
@@ -49,7 +51,7 @@ impl Default for CommConfig {
             slots,
             slot_bytes,
             chunk_bytes: slots / 2 * slot_bytes,
-            force_shm: false,
+            transport: TransportChoice::Auto,
             bootstrap: BootstrapOptions::default(),
         }
     }
@@ -102,16 +104,17 @@ impl CommConfig {
             c.chunk_bytes = c.slots / 2 * c.slot_bytes;
         }
         if let Ok(t) = std::env::var("FERROCCL_TRANSPORT") {
-            match t.trim() {
-                "shm" => c.force_shm = true,
-                "" | "auto" => {}
+            c.transport = match t.trim() {
+                "shm" => TransportChoice::Shm,
+                "tcp" | "net" | "socket" => TransportChoice::Tcp,
+                "" | "auto" => TransportChoice::Auto,
                 other => {
                     return Err(Error::Env {
                         var: "FERROCCL_TRANSPORT".into(),
-                        detail: format!("{other:?} is not one of auto, shm"),
+                        detail: format!("{other:?} is not one of auto, shm, tcp"),
                     });
                 }
-            }
+            };
         }
         c.validate()?;
         Ok(c)

@@ -155,7 +155,8 @@ impl Communicator {
             &TransportConfig {
                 geometry: config.geometry(),
                 rings: rings.clone(),
-                force_shm: config.force_shm,
+                choice: config.transport,
+                connect_timeout: config.bootstrap.timeout,
             },
         )?;
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {

@@ -143,6 +143,9 @@ pub unsafe fn execute(
             let detail = match conns.peer_state(peer, check_process) {
                 PeerState::Alive => continue,
                 PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
+                PeerState::Unreachable(what) => {
+                    (peer, format!("rank {peer} is unreachable: {what}"))
+                }
                 PeerState::Closed(Closed::PeerFailed(first)) => (
                     first,
                     format!("rank {first} failed (reported by rank {peer}, which aborted)"),
@@ -300,10 +303,10 @@ unsafe fn advance(
             moved = true;
         }
         if rang_to && let Some(p) = to {
-            conns.ring(p);
+            conns.ring_send(channel, p);
         }
         if rang_from && let Some(p) = from {
-            conns.ring(p);
+            conns.ring_recv(channel, p);
         }
         if st.done < len {
             return Ok(moved);

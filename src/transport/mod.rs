@@ -8,9 +8,7 @@
 //! | --- | --- | --- |
 //! | in-process | ranks that are threads of one process | heap blocks, found by name in a process-wide table |
 //! | shared memory | processes on one host | files in `/dev/shm`, mapped by both sides and unlinked as soon as both have |
-//!
-//! A network transport (next) keeps a FIFO on each side and a proxy thread that moves
-//! slots across the socket, so the engine stays the same.
+//! | [`tcp`] | ranks on different hosts (or any, when forced) | a FIFO on each side, proxy threads moving slots over one socket per channel and pair |
 //!
 //! [`Connections::establish`] is collective over the communicator's [`Bootstrap`]: every
 //! rank creates the FIFOs it receives on and its bell, all meet at a barrier, every rank
@@ -21,15 +19,34 @@ pub mod bell;
 pub mod fifo;
 pub mod liveness;
 pub mod segment;
+pub mod tcp;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bell::{BELL_BYTES, Bell, Closed};
 use fifo::{Geometry, RecvEnd, SendEnd};
 use liveness::Liveness;
 use segment::{Segment, SegmentKind};
+use tcp::{LinkState, TcpLink};
 
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Bootstrap, netif};
 use crate::error::{Error, Result};
 use crate::plan::P2P_CHANNEL;
+
+/// Which transport to use between ranks on one host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory between processes, process memory between threads, TCP across
+    /// hosts.
+    #[default]
+    Auto,
+    /// `/dev/shm` FIFOs even between threads of one process (`FERROCCL_TRANSPORT=shm`).
+    Shm,
+    /// TCP between every pair of ranks, even on one host (`FERROCCL_TRANSPORT=tcp`).
+    Tcp,
+}
 
 /// How to connect a communicator's ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,13 +56,14 @@ pub struct TransportConfig {
     /// The ring of each collective channel. Channel 0 connects every pair of ranks
     /// (rings and direct algorithms); the others connect only their ring's edges.
     pub rings: Vec<Vec<usize>>,
-    /// Use `/dev/shm` segments even between threads of one process
-    /// (`FERROCCL_TRANSPORT=shm`), e.g. to measure the shared-memory path in one process.
-    pub force_shm: bool,
+    /// Which transport to use.
+    pub choice: TransportChoice,
+    /// How long to wait for peers' connections.
+    pub connect_timeout: Duration,
 }
 
 /// A peer's state, as far as this rank can tell.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PeerState {
     /// Running and connected.
     Alive,
@@ -53,6 +71,8 @@ pub enum PeerState {
     Exited,
     /// It closed its communicator (see [`Closed`]).
     Closed(Closed),
+    /// Its connection broke (process, host or link gone), with what was seen.
+    Unreachable(String),
 }
 
 /// One rank's connections to its peers.
@@ -66,6 +86,8 @@ pub struct Connections {
     bell: Bell,
     peer_bells: Vec<Option<Bell>>,
     liveness: Vec<Option<Liveness>>,
+    /// `[channel index][peer]`: the TCP link, for peers reached over TCP.
+    links: Vec<Vec<Option<TcpLink>>>,
     geometry: Geometry,
     /// More ranks on this host than cores to run them.
     oversubscribed: bool,
@@ -94,6 +116,21 @@ impl Drop for CreatedNames {
     }
 }
 
+/// A `rows` × `cols` table of empty cells.
+fn table<T>(rows: usize, cols: usize) -> Vec<Vec<Option<T>>> {
+    (0..rows)
+        .map(|_| (0..cols).map(|_| None).collect())
+        .collect()
+}
+
+/// How two ranks are connected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    InProcess,
+    Shm,
+    Tcp,
+}
+
 impl Connections {
     /// Connects this rank to its peers (collective: every rank of `boot` must call it
     /// with the same configuration).
@@ -102,48 +139,72 @@ impl Connections {
         let (rank, nranks) = (boot.rank(), boot.world_size());
         let peers = boot.peers();
         let me = &peers[rank];
-        if let Some(remote) = peers.iter().find(|p| p.host_id != me.host_id) {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "rank {} is on host {} and rank {rank} on {}: connecting ranks on \
-                     different hosts needs the TCP transport, which is not built yet",
-                    remote.rank, remote.hostname, me.hostname
-                ),
-            });
-        }
         let channels = config.rings.len();
         if channels == 0 || config.rings.iter().any(|r| r.len() != nranks) {
             return Err(Error::invalid(format!(
                 "transport: {channels} rings, each must list all {nranks} ranks"
             )));
         }
+        let path = |a: usize, b: usize| -> Path {
+            let (pa, pb) = (&peers[a], &peers[b]);
+            if a == b {
+                Path::InProcess
+            } else if config.choice == TransportChoice::Tcp || pa.host_id != pb.host_id {
+                Path::Tcp
+            } else if config.choice == TransportChoice::Shm || pa.pid != pb.pid {
+                Path::Shm
+            } else {
+                Path::InProcess
+            }
+        };
+        let kind_of = |p: Path| match p {
+            Path::Shm => SegmentKind::Shm,
+            _ => SegmentKind::InProcess,
+        };
 
-        // A name space for this communicator's segments, chosen by rank 0.
-        let nonce: [u8; 8] = rand::random();
-        let all = boot.all_gather(&nonce)?;
+        // A name space for this communicator's segments, chosen by rank 0, and every
+        // rank's TCP listening address.
+        let listener = if (0..nranks).any(|r| path(rank, r) == Path::Tcp) {
+            let ip = netif::usable_addrs(netif::IfaceFilter::from_env().as_ref())?[0];
+            Some(
+                TcpListener::bind(SocketAddr::new(ip, 0))
+                    .map_err(|e| Error::io(format!("listen for peers on {ip}"), e))?,
+            )
+        } else {
+            None
+        };
+        let mut hello = rand::random::<[u8; 8]>().to_vec();
+        if let Some(l) = &listener {
+            let addr = l
+                .local_addr()
+                .map_err(|e| Error::io("listener address", e))?;
+            hello.extend_from_slice(addr.to_string().as_bytes());
+        }
+        let all = boot.all_gather(&hello)?;
+        let nonce = all[0].get(..8).ok_or_else(|| Error::BootstrapData {
+            rank: 0,
+            detail: "segment name nonce is not 8 bytes".into(),
+        })?;
         let prefix = format!(
             "ferroccl-{}-{:016x}",
             peers[0].pid,
-            u64::from_le_bytes(all[0].as_slice().try_into().map_err(|_| {
-                Error::BootstrapData {
-                    rank: 0,
-                    detail: "segment name nonce is not 8 bytes".into(),
-                }
-            })?)
+            u64::from_le_bytes(nonce.try_into().expect("8 bytes"))
         );
-        let same_process = |a: usize, b: usize| !config.force_shm && peers[a].pid == peers[b].pid;
-        let fifo_kind = |a: usize, b: usize| {
-            if same_process(a, b) {
-                SegmentKind::InProcess
-            } else {
-                SegmentKind::Shm
-            }
+        let tcp_addr = |r: usize| -> Result<SocketAddr> {
+            std::str::from_utf8(all[r].get(8..).unwrap_or_default())
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .ok_or_else(|| Error::BootstrapData {
+                    rank: r,
+                    detail: "no TCP address published".into(),
+                })
         };
+        // Shared memory users of a rank's bell: its peers on this host not over TCP.
         let bell_kind = |owner: usize| {
-            if (0..nranks).all(|r| same_process(owner, r)) {
-                SegmentKind::InProcess
-            } else {
+            if (0..nranks).any(|r| path(owner, r) == Path::Shm) {
                 SegmentKind::Shm
+            } else {
+                SegmentKind::InProcess
             }
         };
         let chan_name = |ci: usize| {
@@ -180,23 +241,73 @@ impl Connections {
         let bell_seg = Segment::create(bell_kind(rank), &bell_name(rank), BELL_BYTES)?;
         created.0.push((bell_kind(rank), bell_name(rank)));
         let bell = Bell::new(bell_seg);
+        // A second view of our own bell for the TCP proxies, which ring it.
+        let proxy_view = Arc::new(Bell::new(Segment::open(
+            bell_kind(rank),
+            &bell_name(rank),
+            BELL_BYTES,
+        )?));
         let bytes = config.geometry.segment_bytes();
-        let mut recvs: Vec<Vec<Option<RecvEnd>>> = (0..=channels)
-            .map(|_| (0..nranks).map(|_| None).collect())
-            .collect();
+        let mut recvs: Vec<Vec<Option<RecvEnd>>> = table(channels + 1, nranks);
+        let mut sends: Vec<Vec<Option<SendEnd>>> = table(channels + 1, nranks);
+        let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
         for (ci, row) in recvs.iter_mut().enumerate() {
             for from in neighbours(ci, true) {
-                let (kind, name) = (fifo_kind(from, rank), fifo_name(ci, from, rank));
+                if path(from, rank) == Path::Tcp {
+                    continue;
+                }
+                let (kind, name) = (kind_of(path(from, rank)), fifo_name(ci, from, rank));
                 let seg = Segment::create(kind, &name, bytes)?;
                 created.0.push((kind, name));
                 row[from] = Some(fifo::recv_end(seg, config.geometry)?);
             }
         }
+
+        // TCP: one socket per channel and pair of ranks, opened by the lower rank.
+        let mut tcp_pairs: Vec<(usize, usize)> = Vec::new();
+        for ci in 0..=channels {
+            for peer in neighbours(ci, true)
+                .into_iter()
+                .chain(neighbours(ci, false))
+            {
+                if path(rank, peer) == Path::Tcp && !tcp_pairs.contains(&(ci, peer)) {
+                    tcp_pairs.push((ci, peer));
+                }
+            }
+        }
+        let deadline = Instant::now() + config.connect_timeout;
+        let mut streams: Vec<(usize, usize, TcpStream)> = Vec::new();
+        for &(ci, peer) in tcp_pairs.iter().filter(|(_, p)| *p > rank) {
+            let stream = tcp::connect(tcp_addr(peer)?, rank, ci, deadline)
+                .map_err(|e| Error::io(format!("connect to rank {peer} (channel {ci})"), e))?;
+            streams.push((ci, peer, stream));
+        }
+        let expected = tcp_pairs.iter().filter(|(_, p)| *p < rank).count();
+        if let Some(l) = &listener {
+            for (ci, peer, stream) in tcp::accept(l, expected, deadline, nranks, channels)
+                .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
+            {
+                if !tcp_pairs.contains(&(ci, peer)) || peer >= rank {
+                    return Err(Error::BootstrapData {
+                        rank: peer,
+                        detail: format!("unexpected TCP connection for channel {ci}"),
+                    });
+                }
+                streams.push((ci, peer, stream));
+            }
+        }
+        for (ci, peer, stream) in streams {
+            let tag = format!("r{rank}-c{}-p{peer}", chan_name(ci));
+            let (link, tx, rx) = TcpLink::start(stream, config.geometry, proxy_view.clone(), &tag)?;
+            sends[ci][peer] = Some(tx);
+            recvs[ci][peer] = Some(rx);
+            links[ci][peer] = Some(link);
+        }
         boot.barrier()?;
 
         let mut peer_bells: Vec<Option<Bell>> = (0..nranks).map(|_| None).collect();
         let mut liveness: Vec<Option<Liveness>> = (0..nranks).map(|_| None).collect();
-        for peer in (0..nranks).filter(|&r| r != rank) {
+        for peer in (0..nranks).filter(|&r| r != rank && path(rank, r) != Path::Tcp) {
             let seg = Segment::open(bell_kind(peer), &bell_name(peer), BELL_BYTES)?;
             peer_bells[peer] = Some(Bell::new(seg));
             liveness[peer] = Some(if peers[peer].pid == me.pid {
@@ -205,12 +316,12 @@ impl Connections {
                 Liveness::watch(peers[peer].pid)
             });
         }
-        let mut sends: Vec<Vec<Option<SendEnd>>> = (0..=channels)
-            .map(|_| (0..nranks).map(|_| None).collect())
-            .collect();
         for (ci, row) in sends.iter_mut().enumerate() {
             for to in neighbours(ci, false) {
-                let (kind, name) = (fifo_kind(rank, to), fifo_name(ci, rank, to));
+                if path(rank, to) == Path::Tcp {
+                    continue;
+                }
+                let (kind, name) = (kind_of(path(rank, to)), fifo_name(ci, rank, to));
                 let seg = Segment::open(kind, &name, bytes)?;
                 row[to] = Some(fifo::send_end(seg, config.geometry, &name)?);
             }
@@ -220,8 +331,10 @@ impl Connections {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let oversubscribed = boot.local_ranks().len() > cores;
         tracing::debug!(
-            "rank {rank}: connected to {} peers over {channels} channel(s), FIFOs of {} x {} B",
+            "rank {rank}: connected to {} peers over {channels} channel(s) ({} TCP \
+             connections), FIFOs of {} x {} B",
             nranks - 1,
+            tcp_pairs.len(),
             config.geometry.slots,
             config.geometry.slot_bytes
         );
@@ -234,6 +347,7 @@ impl Connections {
             bell,
             peer_bells,
             liveness,
+            links,
             geometry: config.geometry,
             oversubscribed,
         })
@@ -289,11 +403,34 @@ impl Connections {
         &self.bell
     }
 
-    /// Wakes `peer` if it sleeps (after giving it data or space).
-    pub fn ring(&self, peer: usize) {
-        if let Some(Some(b)) = self.peer_bells.get(peer) {
+    /// After committing a slot towards `peer` on `channel`: wakes whoever drains it
+    /// (the peer, or the TCP send proxy).
+    pub fn ring_send(&self, channel: usize, peer: usize) {
+        match self.link(channel, peer) {
+            Some(link) => link.ring_send(),
+            None => self.ring_peer(peer),
+        }
+    }
+
+    /// After releasing a slot received from `peer` on `channel`: wakes whoever fills it.
+    pub fn ring_recv(&self, channel: usize, peer: usize) {
+        match self.link(channel, peer) {
+            Some(link) => link.ring_recv(),
+            None => self.ring_peer(peer),
+        }
+    }
+
+    fn ring_peer(&self, peer: usize) {
+        if peer == self.rank {
+            self.bell.ring();
+        } else if let Some(Some(b)) = self.peer_bells.get(peer) {
             b.ring();
         }
+    }
+
+    fn link(&self, channel: usize, peer: usize) -> Option<&TcpLink> {
+        let ci = self.channel_index(channel)?;
+        self.links.get(ci)?.get(peer)?.as_ref()
     }
 
     /// What this rank can tell about `peer`. `check_process` also asks the kernel
@@ -303,6 +440,15 @@ impl Connections {
             match b.closed() {
                 Closed::Open => {}
                 why => return PeerState::Closed(why),
+            }
+        }
+        for row in &self.links {
+            if let Some(Some(link)) = row.get(peer) {
+                match link.state() {
+                    LinkState::Up => {}
+                    LinkState::Closed(why) => return PeerState::Closed(why),
+                    LinkState::Broken(what) => return PeerState::Unreachable(what),
+                }
             }
         }
         if check_process
@@ -316,10 +462,13 @@ impl Connections {
 
     /// Marks this rank's communicator closed for everyone and wakes every peer, so that
     /// any of them waiting on this rank notices now.
-    pub fn close(&self, why: Closed) {
+    pub fn close(&mut self, why: Closed) {
         self.bell.close(why);
         for b in self.peer_bells.iter().flatten() {
             b.ring_always();
+        }
+        for link in self.links.iter_mut().flatten().flatten() {
+            link.close(why);
         }
     }
 }
