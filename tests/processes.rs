@@ -1,5 +1,7 @@
-//! Ranks as processes over `/dev/shm`: the collective grid of `tests/collectives.rs`, and
-//! what happens when one rank is killed in the middle of an all-reduce.
+//! Ranks as processes: the collective grid of `tests/collectives.rs` over `/dev/shm`,
+//! over TCP, and on two "hosts" (distinct `FERROCCL_HOSTID`s: shared memory inside a host,
+//! TCP between them); and what happens when one rank is killed mid all-reduce, on one
+//! host and across hosts.
 //!
 //! This test binary is its own rank program: the parent (run by `cargo test`) starts
 //! copies of itself with `FERROCCL_TEST_ROLE` set, so it uses no harness (a custom
@@ -29,13 +31,21 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, TestFn); 3] = [
-        ("grid_on_four_processes", || grid_on_processes(4)),
-        ("grid_on_seven_processes", || grid_on_processes(7)),
-        (
-            "killed_rank_is_named_by_every_survivor",
-            killed_rank_is_named,
-        ),
+    let tests: [(&str, TestFn); 6] = [
+        ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
+        ("grid_on_seven_processes", || grid_on_processes(7, Net::Shm)),
+        ("grid_on_three_processes_over_tcp", || {
+            grid_on_processes(3, Net::Tcp)
+        }),
+        ("grid_on_two_hosts_of_two_processes", || {
+            grid_on_processes(4, Net::TwoHosts)
+        }),
+        ("killed_rank_is_named_by_every_survivor", || {
+            killed_rank_is_named(Net::Shm)
+        }),
+        ("killed_rank_across_hosts_is_named", || {
+            killed_rank_is_named(Net::TwoHosts)
+        }),
     ];
     let start = Instant::now();
     let (mut passed, mut failed) = (0, 0);
@@ -79,13 +89,37 @@ fn config() -> CommConfig {
     }
 }
 
+/// How the ranks reach each other.
+#[derive(Clone, Copy, PartialEq)]
+enum Net {
+    /// One host: shared memory.
+    Shm,
+    /// One host, TCP forced between every pair.
+    Tcp,
+    /// Two hosts (by `FERROCCL_HOSTID`), half the ranks on each: shared memory inside,
+    /// TCP across.
+    TwoHosts,
+}
+
 /// Starts `n` copies of this binary as ranks of one communicator.
-fn spawn_ranks(role: &str, n: usize) -> Vec<Child> {
+fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
     let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     (0..n)
         .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .env("FERROCCL_TEST_ROLE", role)
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.env_remove("FERROCCL_TRANSPORT")
+                .env_remove("FERROCCL_HOSTID")
+                .env("FERROCCL_SOCKET_IFNAME", "=lo");
+            match net {
+                Net::Shm => {}
+                Net::Tcp => {
+                    cmd.env("FERROCCL_TRANSPORT", "tcp");
+                }
+                Net::TwoHosts => {
+                    cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
+                }
+            }
+            cmd.env("FERROCCL_TEST_ROLE", role)
                 .env("FERROCCL_TEST_ID", id.to_string())
                 .env("FERROCCL_TEST_RANK", rank.to_string())
                 .env("FERROCCL_TEST_NRANKS", n.to_string())
@@ -120,8 +154,13 @@ fn wait_all(children: Vec<Child>, limit: Duration) -> Result<Vec<(i32, String, S
     Ok(outs)
 }
 
-fn grid_on_processes(n: usize) -> Result<(), String> {
-    let outs = wait_all(spawn_ranks("grid", n), Duration::from_secs(300))?;
+fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
+    let role = if net == Net::Shm {
+        "grid"
+    } else {
+        "small-grid"
+    };
+    let outs = wait_all(spawn_ranks(role, n, net), Duration::from_secs(300))?;
     for (rank, (code, out, err)) in outs.iter().enumerate() {
         if *code != 0 || !out.contains("checks passed") {
             return Err(format!("rank {rank} exited {code}:\n{out}\n{err}"));
@@ -130,10 +169,10 @@ fn grid_on_processes(n: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn killed_rank_is_named() -> Result<(), String> {
+fn killed_rank_is_named(net: Net) -> Result<(), String> {
     let n = 4;
     let victim = 2;
-    let mut children = spawn_ranks("loop", n);
+    let mut children = spawn_ranks("loop", n, net);
     // Wait until every rank has completed an all-reduce, so all are mid-loop.
     for (rank, child) in children.iter_mut().enumerate() {
         let mut line = String::new();
@@ -200,17 +239,33 @@ fn child(role: &str) -> u8 {
         }
     };
     match role {
-        "grid" => {
+        "grid" | "small-grid" => {
+            // Over TCP every call costs a round of proxy hand-offs: the small grid keeps
+            // every collective and root but fewer dtypes, ops and counts.
+            let small = role == "small-grid";
+            let dtypes: &[DataType] = if small {
+                &[
+                    DataType::Int8,
+                    DataType::Float16,
+                    DataType::Float32,
+                    DataType::Float8E5M2,
+                ]
+            } else {
+                &DataType::ALL
+            };
+            let counts: &[usize] = if small { &[0, 1, 7, 65_537] } else { &COUNTS };
             let mut checks = 0;
             for c in collectives(n) {
-                for dtype in DataType::ALL {
-                    let op_list: Vec<ReduceOp> = if c.is_reducing() {
-                        ops().to_vec()
-                    } else {
+                for &dtype in dtypes {
+                    let op_list: Vec<ReduceOp> = if !c.is_reducing() {
                         vec![ReduceOp::Sum]
+                    } else if small {
+                        vec![ReduceOp::Sum, ReduceOp::Min, ReduceOp::Avg]
+                    } else {
+                        ops().to_vec()
                     };
                     for op in op_list {
-                        for count in COUNTS {
+                        for &count in counts {
                             for in_place in [false, true] {
                                 if in_place && c == Collective::AllToAll {
                                     continue;
