@@ -20,6 +20,7 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
+/// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -37,6 +38,9 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
+    /// How long a TCP peer may stay silent before its connection counts as broken
+    /// (so a cut link is reported as such well before the collective's deadline).
+    pub link_timeout: Duration,
     /// Rendezvous settings.
     pub bootstrap: BootstrapOptions,
 }
@@ -52,6 +56,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: slots / 2 * slot_bytes,
             transport: TransportChoice::Auto,
+            link_timeout: Duration::from_secs(30),
             bootstrap: BootstrapOptions::default(),
         }
     }
@@ -86,6 +91,9 @@ impl CommConfig {
         let mut chunk_set = false;
         if let Some(v) = env_number(&["FERROCCL_TIMEOUT"])? {
             c.timeout = Duration::from_secs_f64(v);
+        }
+        if let Some(v) = env_number(&["FERROCCL_LINK_TIMEOUT"])? {
+            c.link_timeout = Duration::from_secs_f64(v);
         }
         if let Some(v) = env_number(&["FERROCCL_NCHANNELS", "NCCL_NCHANNELS"])? {
             c.channels = v as usize;

@@ -157,6 +157,7 @@ impl Communicator {
                 rings: rings.clone(),
                 choice: config.transport,
                 connect_timeout: config.bootstrap.timeout,
+                link_timeout: config.link_timeout,
             },
         )?;
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
@@ -661,8 +662,13 @@ impl Communicator {
         let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
         if let Err(e) = &result {
             st.failure = Some(e.to_string());
+            // Tell the peers which rank failed first, as far as this rank knows: the
+            // one it saw fail, or the one it timed out waiting for.
             let why = match e {
                 Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
+                Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
+                    Closed::PeerFailed(waiting_on[0])
+                }
                 _ => Closed::ByOwner,
             };
             st.conns.close(why);

@@ -120,8 +120,18 @@ pub unsafe fn execute(
             std::thread::yield_now();
             continue;
         }
-        // Sleep: announce it, look once more, check on the peers, then wait for a ring.
+        // Sleep: announce it, check on the peers, look at the FIFOs once more, then wait
+        // for a ring. The peers' states are read before that last look: a peer commits
+        // its last slots before it closes, so whatever it sent before closing is seen
+        // by the look, and a closed peer is only an error if nothing is left to take.
         let seq = conns.bell().prepare_sleep();
+        let waiting_on = blocked_peers(plan, &lanes);
+        let now = Instant::now();
+        let check_process = now.duration_since(last_process_check) >= PROCESS_CHECK_INTERVAL;
+        if check_process {
+            last_process_check = now;
+        }
+        let failure = peer_failure(conns, &waiting_on, check_process);
         let mut progressed = false;
         for (li, lane) in plan.lanes.iter().enumerate() {
             // SAFETY: as above.
@@ -133,35 +143,14 @@ pub unsafe fn execute(
             idle_sweeps = 0;
             continue;
         }
-        let waiting_on = blocked_peers(plan, &lanes);
-        let now = Instant::now();
-        let check_process = now.duration_since(last_process_check) >= PROCESS_CHECK_INTERVAL;
-        if check_process {
-            last_process_check = now;
-        }
-        for &peer in &waiting_on {
-            let detail = match conns.peer_state(peer, check_process) {
-                PeerState::Alive => continue,
-                PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
-                PeerState::Unreachable(what) => {
-                    (peer, format!("rank {peer} is unreachable: {what}"))
-                }
-                PeerState::Closed(Closed::PeerFailed(first)) => (
-                    first,
-                    format!("rank {first} failed (reported by rank {peer}, which aborted)"),
-                ),
-                PeerState::Closed(_) => (
-                    peer,
-                    format!("rank {peer} aborted or destroyed its communicator"),
-                ),
-            };
+        if let Some((failed_rank, detail)) = failure {
             conns.bell().cancel_sleep();
             return Err(Error::PeerFailed {
                 op: call.op.to_string(),
                 seq: call.seq,
                 rank: conns.rank(),
-                failed_rank: detail.0,
-                detail: detail.1,
+                failed_rank,
+                detail,
             });
         }
         if now >= call.deadline {
@@ -179,6 +168,39 @@ pub unsafe fn execute(
             .min(PROCESS_CHECK_INTERVAL);
         conns.bell().sleep(seq, nap);
     }
+}
+
+/// The first failure among the peers: those this rank waits on (any way they can fail),
+/// then every other peer that aborted because some rank failed, so that news of a
+/// failure spreads to every rank at once. Returns the rank that failed first and what
+/// happened.
+fn peer_failure(
+    conns: &Connections,
+    waiting_on: &[usize],
+    check_process: bool,
+) -> Option<(usize, String)> {
+    let others = (0..conns.nranks()).filter(|p| *p != conns.rank() && !waiting_on.contains(p));
+    for (peer, waited) in waiting_on
+        .iter()
+        .map(|&p| (p, true))
+        .chain(others.map(|p| (p, false)))
+    {
+        return Some(match conns.peer_state(peer, check_process && waited) {
+            PeerState::Alive => continue,
+            PeerState::Closed(Closed::PeerFailed(first)) => (
+                first,
+                format!("rank {first} failed (reported by rank {peer}, which aborted)"),
+            ),
+            _ if !waited => continue,
+            PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
+            PeerState::Unreachable(what) => (peer, format!("rank {peer} is unreachable: {what}")),
+            PeerState::Closed(_) => (
+                peer,
+                format!("rank {peer} aborted or destroyed its communicator"),
+            ),
+        });
+    }
+    None
 }
 
 /// The peers the unfinished lanes are waiting on (their current steps' peers).

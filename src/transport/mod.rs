@@ -60,6 +60,9 @@ pub struct TransportConfig {
     pub choice: TransportChoice,
     /// How long to wait for peers' connections.
     pub connect_timeout: Duration,
+    /// How long a TCP peer may stay silent (data unacknowledged, or keep-alive probes
+    /// unanswered) before its connection counts as broken.
+    pub link_timeout: Duration,
 }
 
 /// A peer's state, as far as this rank can tell.
@@ -298,7 +301,13 @@ impl Connections {
         }
         for (ci, peer, stream) in streams {
             let tag = format!("r{rank}-c{}-p{peer}", chan_name(ci));
-            let (link, tx, rx) = TcpLink::start(stream, config.geometry, proxy_view.clone(), &tag)?;
+            let (link, tx, rx) = TcpLink::start(
+                stream,
+                config.geometry,
+                proxy_view.clone(),
+                &tag,
+                config.link_timeout,
+            )?;
             sends[ci][peer] = Some(tx);
             recvs[ci][peer] = Some(rx);
             links[ci][peer] = Some(link);
@@ -442,14 +451,24 @@ impl Connections {
                 why => return PeerState::Closed(why),
             }
         }
+        // Over TCP a peer that leaves normally closes each connection after sending what
+        // it had committed on it: it has left only once every connection says so.
+        let (mut links, mut closed) = (0, 0);
         for row in &self.links {
             if let Some(Some(link)) = row.get(peer) {
+                links += 1;
                 match link.state() {
                     LinkState::Up => {}
-                    LinkState::Closed(why) => return PeerState::Closed(why),
+                    LinkState::Closed(Closed::PeerFailed(first)) => {
+                        return PeerState::Closed(Closed::PeerFailed(first));
+                    }
+                    LinkState::Closed(_) => closed += 1,
                     LinkState::Broken(what) => return PeerState::Unreachable(what),
                 }
             }
+        }
+        if links > 0 && closed == links {
+            return PeerState::Closed(Closed::ByOwner);
         }
         if check_process
             && let Some(Some(l)) = self.liveness.get(peer)

@@ -115,10 +115,12 @@ impl TcpLink {
         geometry: Geometry,
         rank_bell: Arc<Bell>,
         tag: &str,
+        link_timeout: Duration,
     ) -> Result<(Self, SendEnd, RecvEnd)> {
         stream
             .set_nodelay(true)
             .map_err(|e| Error::io("TCP_NODELAY", e))?;
+        set_link_timeout(&stream, link_timeout)?;
         let (engine_tx, proxy_rx) = local_fifo(geometry, tag)?;
         let (proxy_tx, engine_rx) = local_fifo(geometry, tag)?;
         let shared = Arc::new(Shared {
@@ -221,6 +223,54 @@ impl Drop for TcpLink {
             }
         }
     }
+}
+
+/// Makes a dead peer or link show up as a socket error within about `timeout`, even
+/// when nothing is being sent: data unacknowledged that long fails the connection
+/// (`TCP_USER_TIMEOUT`), and keep-alive probes check an idle one.
+fn set_link_timeout(stream: &TcpStream, timeout: Duration) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let secs = timeout.as_secs().clamp(2, i32::MAX as u64 / 1000) as libc::c_int;
+    let fd = stream.as_raw_fd();
+    let options = [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1, "SO_KEEPALIVE"),
+        (
+            libc::IPPROTO_TCP,
+            libc::TCP_KEEPIDLE,
+            secs / 2,
+            "TCP_KEEPIDLE",
+        ),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1, "TCP_KEEPINTVL"),
+        (
+            libc::IPPROTO_TCP,
+            libc::TCP_KEEPCNT,
+            secs / 2,
+            "TCP_KEEPCNT",
+        ),
+        (
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            secs * 1000,
+            "TCP_USER_TIMEOUT",
+        ),
+    ];
+    for (level, name, value, what) in options {
+        // SAFETY: setsockopt on a socket we own, with a pointer to a c_int that lives
+        // for the call and its exact size.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                &value as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::io(format!("set {what}"), io::Error::last_os_error()));
+        }
+    }
+    Ok(())
 }
 
 fn frame(kind: u32, value: u32) -> [u8; 8] {
