@@ -273,6 +273,22 @@ fn set_link_timeout(stream: &TcpStream, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Writes a frame header and its data with one system call where the socket takes it
+/// all (a vectored write).
+fn write_frame(sock: &mut TcpStream, header: &[u8; 8], data: &[u8]) -> io::Result<()> {
+    let mut parts = [io::IoSlice::new(header), io::IoSlice::new(data)];
+    let mut parts: &mut [io::IoSlice<'_>] = &mut parts;
+    while !parts.is_empty() {
+        match sock.write_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn frame(kind: u32, value: u32) -> [u8; 8] {
     let mut h = [0u8; 8];
     h[..4].copy_from_slice(&kind.to_le_bytes());
@@ -289,10 +305,10 @@ fn send_proxy(mut sock: TcpStream, mut fifo: RecvEnd, shared: &Shared, rank_bell
                 if shared.abrupt.load(Ordering::SeqCst) {
                     break;
                 }
-                sock.write_all(&frame(FRAME_DATA, len as u32))?;
                 // SAFETY: the peeked slot holds `len` published bytes and stays ours
                 // until release.
-                sock.write_all(unsafe { std::slice::from_raw_parts(slot, len) })?;
+                let data = unsafe { std::slice::from_raw_parts(slot, len) };
+                write_frame(&mut sock, &frame(FRAME_DATA, len as u32), data)?;
                 fifo.release();
                 rank_bell.ring();
                 continue;
