@@ -144,6 +144,47 @@ fn eight_ranks() {
 }
 
 #[test]
+fn tree_all_reduce_on_every_rank_count() {
+    for n in 2..=8 {
+        let mut config = config(1 + n % 2);
+        config.algorithm = ferroccl::plan::Algorithm::Tree;
+        let comms = Communicator::init_all_with(n, config).unwrap();
+        let mut calls = Vec::new();
+        for dtype in DataType::ALL {
+            for op in ops() {
+                for count in COUNTS {
+                    for in_place in [false, true] {
+                        calls.push((Collective::AllReduce, dtype, op, count, in_place));
+                    }
+                }
+            }
+        }
+        let wrong: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    let calls = &calls;
+                    s.spawn(move || {
+                        calls
+                            .iter()
+                            .filter_map(|&(c, dtype, op, count, in_place)| {
+                                ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            wrong.is_empty(),
+            "{n} ranks: {:?}",
+            &wrong[..wrong.len().min(5)]
+        );
+    }
+}
+
+#[test]
 fn sixteen_mebi_elements_and_more() {
     let big = 16 << 20;
     let calls = [

@@ -230,15 +230,26 @@ const TOOLS: [(&str, &str, bool); 9] = [
 fn all_collectives(nhosts: usize, ranks_per_host: usize) {
     let Some(h) = hosts(nhosts, None) else { return };
     let world = nhosts * ranks_per_host;
+    let ring: &[(&str, &str)] = &[];
+    let tree: &[(&str, &str)] = &[("FERROCCL_ALGO", "tree"), ("FERROCCL_NCHANNELS", "2")];
     for (name, exe, reduces) in TOOLS {
-        for dtype in ["int32", "bfloat16", "f8e5m2", "double"] {
+        // All-reduce runs with the ring and with the double binary tree forced.
+        let algos = if name == "all_reduce_perf" {
+            vec![ring, tree]
+        } else {
+            vec![ring]
+        };
+        for (env, dtype) in algos
+            .into_iter()
+            .flat_map(|e| ["int32", "bfloat16", "f8e5m2", "double"].map(|d| (e, d)))
+        {
             let mut args = vec!["-d", dtype, "-r", "-1", "-b", "8", "-e", "256K", "-f", "32"];
             args.extend(["-n", "1", "-w", "0", "-c", "1", "-T", "60", "--no-progress"]);
             if reduces {
                 args.extend(["-o", "all"]);
             }
             let children = (0..world)
-                .map(|r| h.spawn(r / ranks_per_host, r, world, exe, &args, &[]))
+                .map(|r| h.spawn(r / ranks_per_host, r, world, exe, &args, env))
                 .collect();
             let outs = wait(children, Duration::from_secs(120));
             for (r, out) in outs.iter().enumerate() {

@@ -31,7 +31,7 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, TestFn); 6] = [
+    let tests: [(&str, TestFn); 7] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
         ("grid_on_seven_processes", || grid_on_processes(7, Net::Shm)),
         ("grid_on_three_processes_over_tcp", || {
@@ -39,6 +39,9 @@ fn main() -> ExitCode {
         }),
         ("grid_on_two_hosts_of_two_processes", || {
             grid_on_processes(4, Net::TwoHosts)
+        }),
+        ("grid_on_five_hosts_with_trees", || {
+            grid_on_processes(5, Net::HostPerRankTree)
         }),
         ("killed_rank_is_named_by_every_survivor", || {
             killed_rank_is_named(Net::Shm)
@@ -99,6 +102,8 @@ enum Net {
     /// Two hosts (by `FERROCCL_HOSTID`), half the ranks on each: shared memory inside,
     /// TCP across.
     TwoHosts,
+    /// One host per rank, all-reduce on the double binary tree (`FERROCCL_ALGO=tree`).
+    HostPerRankTree,
 }
 
 /// Starts `n` copies of this binary as ranks of one communicator.
@@ -117,6 +122,11 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 }
                 Net::TwoHosts => {
                     cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
+                }
+                Net::HostPerRankTree => {
+                    cmd.env("FERROCCL_HOSTID", format!("host{rank}"))
+                        .env("FERROCCL_ALGO", "tree")
+                        .env("FERROCCL_NCHANNELS", "2");
                 }
             }
             cmd.env("FERROCCL_TEST_ROLE", role)

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::bootstrap::BootstrapOptions;
 use crate::error::{Error, Result};
+use crate::plan::Algorithm;
 use crate::transport::TransportChoice;
 use crate::transport::fifo::Geometry;
 
@@ -20,6 +21,7 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
+/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, lists, `^` to exclude | `algorithm` | ring |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
@@ -38,6 +40,8 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
+    /// The all-reduce algorithm.
+    pub algorithm: Algorithm,
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
@@ -56,6 +60,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: slots / 2 * slot_bytes,
             transport: TransportChoice::Auto,
+            algorithm: Algorithm::Ring,
             link_timeout: Duration::from_secs(30),
             bootstrap: BootstrapOptions::default(),
         }
@@ -111,6 +116,12 @@ impl CommConfig {
         if !chunk_set {
             c.chunk_bytes = c.slots / 2 * c.slot_bytes;
         }
+        for var in ["FERROCCL_ALGO", "NCCL_ALGO"] {
+            if let Ok(list) = std::env::var(var) {
+                c.algorithm = parse_algorithms(var, &list)?;
+                break;
+            }
+        }
         if let Ok(t) = std::env::var("FERROCCL_TRANSPORT") {
             c.transport = match t.trim() {
                 "shm" => TransportChoice::Shm,
@@ -157,5 +168,56 @@ impl CommConfig {
             return Err(Error::invalid("timeout of 0"));
         }
         Ok(())
+    }
+}
+
+/// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`) and
+/// picks the algorithm to use. NCCL's algorithms that ferroccl does not have (`collnet*`,
+/// `nvls*`, `pat`) are accepted and ignored, so an `NCCL_ALGO` meant for NCCL still
+/// works; anything else is an error naming it.
+pub fn parse_algorithms(var: &str, list: &str) -> Result<Algorithm> {
+    let (exclude, body) = match list.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, list.trim()),
+    };
+    let mut named = Vec::new();
+    for word in body.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        match word.to_ascii_lowercase().as_str() {
+            "ring" => named.push(Algorithm::Ring),
+            "tree" => named.push(Algorithm::Tree),
+            w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => {}
+            _ => {
+                return Err(Error::Env {
+                    var: var.into(),
+                    detail: format!("unknown algorithm {word:?} (ferroccl has ring and tree)"),
+                });
+            }
+        }
+    }
+    let allowed: Vec<Algorithm> = [Algorithm::Ring, Algorithm::Tree]
+        .into_iter()
+        .filter(|a| named.contains(a) != exclude)
+        .collect();
+    // With both allowed, ring: the cost-model tuner that chooses by size is not built yet.
+    allowed.first().copied().ok_or_else(|| Error::Env {
+        var: var.into(),
+        detail: format!("{list:?} leaves no algorithm (ferroccl has ring and tree)"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algorithm_lists_follow_nccl_syntax() {
+        assert_eq!(parse_algorithms("X", "tree").unwrap(), Algorithm::Tree);
+        assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), Algorithm::Ring);
+        assert_eq!(parse_algorithms("X", "^ring").unwrap(), Algorithm::Tree);
+        assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), Algorithm::Tree);
+        let err = parse_algorithms("X", "^ring,tree").unwrap_err().to_string();
+        assert!(err.contains("leaves no algorithm"), "{err}");
+        let err = parse_algorithms("X", "butterfly").unwrap_err().to_string();
+        assert!(err.contains("butterfly"), "{err}");
     }
 }

@@ -160,9 +160,24 @@ impl Communicator {
                 link_timeout: config.link_timeout,
             },
         )?;
+        // Ranks that share a host get the same label, for the trees.
+        let mut host_ids: Vec<&str> = Vec::new();
+        let hosts: Vec<usize> = boot
+            .peers()
+            .iter()
+            .map(|p| match host_ids.iter().position(|h| *h == p.host_id) {
+                Some(i) => i,
+                None => {
+                    host_ids.push(&p.host_id);
+                    host_ids.len() - 1
+                }
+            })
+            .collect();
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
             chunk_elems: (config.chunk_bytes / elem).max(1),
             rings: rings.clone(),
+            algorithm: config.algorithm,
+            hosts: hosts.clone(),
         });
         Ok(Communicator {
             rank,
@@ -615,10 +630,15 @@ impl Communicator {
         for raw in raws {
             let reducing = raw.collective.is_reducing();
             let op = if reducing { raw.op } else { ReduceOp::Sum };
+            let plain = match op {
+                ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+                other => other,
+            };
             ops.push(OpBuffers {
                 input: raw.input,
                 output: raw.output,
                 kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+                plain: Kernel::new(raw.dtype, plain, self.nranks)?,
                 reducing,
             });
         }

@@ -51,6 +51,10 @@ pub struct OpBuffers {
     pub output: *mut u8,
     /// Element type and reduction.
     pub kernel: Kernel,
+    /// The same reduction without its pre-operation, for operands that are partial
+    /// results rather than this rank's contribution (equal to `kernel` except for
+    /// pre-mul-sum).
+    pub plain: Kernel,
     /// Whether the operation reduces (pre/post operations and reductions apply).
     pub reducing: bool,
 }
@@ -339,6 +343,16 @@ unsafe fn advance(
     Ok(moved)
 }
 
+/// The kernel for a local operand: the full one (with the pre-operation) for this
+/// rank's contribution in the input buffer, the plain one for a partial result.
+fn operand_kernel<'a>(op: &'a OpBuffers, src: &Region) -> &'a Kernel {
+    if src.buf == Buf::Input {
+        &op.kernel
+    } else {
+        &op.plain
+    }
+}
+
 /// A `Copy` step: `dst = src`, or `dst = post(pre(src))` in a reducing operation.
 ///
 /// # Safety
@@ -406,16 +420,18 @@ unsafe fn move_slice(
                 }
             }
             Step::RecvReduceSend { src, .. } => {
-                k.reduce(o, x, addr(ops, &src, skip), n);
+                operand_kernel(op, &src).reduce(o, x, addr(ops, &src, skip), n);
             }
-            Step::RecvReduceCopy { src, dst, .. } => {
+            Step::RecvReduceCopy { src, dst, post, .. } => {
                 let d = addr(ops, &dst, skip);
-                k.reduce(d, x, addr(ops, &src, skip), n);
-                k.post(d, n);
+                operand_kernel(op, &src).reduce(d, x, addr(ops, &src, skip), n);
+                if post {
+                    k.post(d, n);
+                }
             }
             Step::RecvReduceCopySend { src, dst, .. } => {
                 let d = addr(ops, &dst, skip);
-                k.reduce(d, x, addr(ops, &src, skip), n);
+                operand_kernel(op, &src).reduce(d, x, addr(ops, &src, skip), n);
                 k.post(d, n);
                 std::ptr::copy_nonoverlapping(d, o, bytes);
             }

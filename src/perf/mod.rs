@@ -154,10 +154,12 @@ impl Test {
     }
 
     /// The algorithm the plan uses, for the report.
-    fn algorithm(&self, channels: usize) -> String {
+    fn algorithm(&self, config: &CommConfig) -> String {
+        let channels = config.channels;
         match self {
             Test::AllToAll | Test::Gather | Test::Scatter => "direct".into(),
             Test::SendRecv => "p2p".into(),
+            Test::AllReduce => format!("{}/{channels}ch", config.algorithm.name()),
             _ => format!("ring/{channels}ch"),
         }
     }
@@ -364,7 +366,7 @@ fn measure<T: Element + Default>(
         root: test.rooted().then_some(root),
         out_of_place: modes.pop().expect("out-of-place measured"),
         in_place,
-        algorithm: test.algorithm(comm.config().channels),
+        algorithm: test.algorithm(comm.config()),
         rank,
     })
 }

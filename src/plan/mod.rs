@@ -16,16 +16,18 @@
 //!   peer, in the same order on each (channel, sender, receiver) FIFO, with equal lengths.
 //! - In a reducing collective, a region of the input buffer read by a step is the rank's
 //!   own contribution (the engine applies the op's pre-operation, e.g. the pre-multiplier,
-//!   to it), and every reduction whose result is written to a local buffer
-//!   (`RecvReduceCopy`, `RecvReduceCopySend`, `Copy`) produces a final value (the engine
-//!   applies the post-operation, e.g. the division of `avg`, there). Partial sums only
-//!   travel (`RecvReduceSend`).
+//!   to it); a region of the output buffer holds a partial or final result and gets no
+//!   pre-operation. `RecvReduceCopySend`, `Copy` and `RecvReduceCopy { post: true }`
+//!   produce final values (the engine applies the post-operation, e.g. the division of
+//!   `avg`, there); `RecvReduceCopy { post: false }` stores a partial sum that later steps
+//!   of the same rank add to (trees).
 //! - A lane never sends more than [`PlanOptions::chunk_elems`] elements in one step. With
 //!   chunks no larger than half a FIFO a ring cannot deadlock: the sender can always get
 //!   one chunk ahead of its receiver.
 //! - Steps with no elements are left out (on both ends alike).
 
 pub mod sim;
+pub mod tree;
 
 use std::fmt;
 
@@ -131,7 +133,9 @@ pub enum Step {
         /// Local operand.
         src: Region,
     },
-    /// Receive `x` from `from` and store `x ⊕ src` in `dst` (`recvReduceCopy`).
+    /// Receive `x` from `from` and store `x ⊕ src` in `dst` (`recvReduceCopy`). With
+    /// `post` the result is final and gets the op's post-operation (avg's division);
+    /// without, it is a partial sum that later steps add to (trees).
     RecvReduceCopy {
         /// Sending rank.
         from: usize,
@@ -139,6 +143,8 @@ pub enum Step {
         src: Region,
         /// Result.
         dst: Region,
+        /// Whether the result is final.
+        post: bool,
     },
     /// Receive `x`, store `x ⊕ src` in `dst` and send it to `to` (`recvReduceCopySend`).
     RecvReduceCopySend {
@@ -252,8 +258,14 @@ impl fmt::Display for Step {
             Step::RecvReduceSend { from, to, src } => {
                 write!(f, "recvReduceSend {from} + {src} -> {to}")
             }
-            Step::RecvReduceCopy { from, src, dst } => {
-                write!(f, "recvReduceCopy {from} + {src} -> {dst}")
+            Step::RecvReduceCopy {
+                from,
+                src,
+                dst,
+                post,
+            } => {
+                let done = if post { " (final)" } else { "" };
+                write!(f, "recvReduceCopy {from} + {src} -> {dst}{done}")
             }
             Step::RecvReduceCopySend { from, to, src, dst } => {
                 write!(f, "recvReduceCopySend {from} + {src} -> {dst}, -> {to}")
@@ -438,6 +450,34 @@ pub struct PlanOptions {
     /// One ring per channel: the ranks in ring order. All must be permutations of
     /// `0..nranks`.
     pub rings: Vec<Vec<usize>>,
+    /// The algorithm for all-reduce.
+    pub algorithm: Algorithm,
+    /// The host of each rank (any labels; equal labels share a host), for trees: hosts
+    /// form a double binary tree, ranks of a host a chain. Empty: one host per rank.
+    pub hosts: Vec<usize>,
+}
+
+/// How an all-reduce moves data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// Reduce-scatter then all-gather around a ring: 2(n−1) steps, each rank sends
+    /// 2(n−1)/n of the buffer — bandwidth-optimal.
+    #[default]
+    Ring,
+    /// Reduce up a tree, broadcast down it (double binary tree across hosts, a chain
+    /// inside each): about 2 log₂(hosts) + chain steps, each rank sends the buffer about
+    /// twice — latency-friendly across many hosts.
+    Tree,
+}
+
+impl Algorithm {
+    /// NCCL's name (`ring`, `tree`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+        }
+    }
 }
 
 impl PlanOptions {
@@ -456,7 +496,15 @@ impl PlanOptions {
         PlanOptions {
             chunk_elems: chunk_elems.max(1),
             rings,
+            algorithm: Algorithm::Ring,
+            hosts: Vec::new(),
         }
+    }
+
+    /// The same options with `algorithm` for all-reduce.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
     }
 
     fn validate(&self, nranks: usize) -> Result<()> {
@@ -638,15 +686,31 @@ pub fn plan(
         )));
     }
     options.validate(nranks)?;
+    let own_hosts: Vec<usize>;
+    let hosts = if options.hosts.is_empty() {
+        own_hosts = (0..nranks).collect();
+        &own_hosts
+    } else if options.hosts.len() == nranks {
+        &options.hosts
+    } else {
+        return Err(Error::invalid(format!(
+            "plan: {} host labels for {nranks} ranks",
+            options.hosts.len()
+        )));
+    };
     let b = Builder {
         rank,
         nranks,
         count,
         chunk: options.chunk_elems,
         rings: &options.rings,
+        hosts,
     };
     let mut lanes = match collective {
-        Collective::AllReduce => b.ring_all_reduce(),
+        Collective::AllReduce => match options.algorithm {
+            Algorithm::Ring => b.ring_all_reduce(),
+            Algorithm::Tree => b.tree_all_reduce(),
+        },
         Collective::ReduceScatter => b.ring_reduce_scatter(),
         Collective::AllGather => b.ring_all_gather(),
         Collective::Broadcast { root } => b.ring_broadcast(root),
@@ -697,6 +761,7 @@ struct Builder<'a> {
     count: usize,
     chunk: usize,
     rings: &'a [Vec<usize>],
+    hosts: &'a [usize],
 }
 
 /// A ring seen from one rank: its position and neighbours.
@@ -798,6 +863,91 @@ impl Builder<'_> {
             .collect()
     }
 
+    /// Tree all-reduce: each channel takes a share of the buffer and one of the two
+    /// trees (even channels the first, odd the second). Chunk by chunk, every rank adds
+    /// its children's partial sums to its own contribution and passes the result up; the
+    /// root completes it and the final chunk travels back down. Reducing up and
+    /// forwarding down are separate lanes (they use opposite directions of each
+    /// connection), so a chunk goes up while an earlier one comes down; on the root they
+    /// share one lane, since what it sends down is what it just completed.
+    fn tree_all_reduce(&self) -> Vec<Lane> {
+        let me = self.rank;
+        let mut lanes = Vec::new();
+        for c in 0..self.channels() {
+            let (lo, len) = split_even(self.count, self.channels(), c);
+            if self.nranks == 1 {
+                lanes.push(lane(
+                    c,
+                    vec![Step::Copy {
+                        src: Region::input(lo, len),
+                        dst: Region::output(lo, len),
+                    }],
+                ));
+                continue;
+            }
+            let t = tree::RankTree::new(self.hosts, c % 2);
+            let (parent, kids) = (t.parent[me], &t.children[me]);
+            let (mut up, mut down, mut root_lane) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..len.div_ceil(self.chunk) {
+                let (off, l) = (lo + i * self.chunk, self.chunk.min(len - i * self.chunk));
+                let (inp, out) = (Region::input(off, l), Region::output(off, l));
+                let mut up_steps = Vec::new();
+                if kids.is_empty()
+                    && let Some(p) = parent
+                {
+                    up_steps.push(Step::Send { to: p, src: inp });
+                }
+                for (k, &kid) in kids.iter().enumerate() {
+                    // The first child's partial meets this rank's contribution; later
+                    // ones meet the partial sum accumulated in the output buffer.
+                    let src = if k == 0 { inp } else { out };
+                    let last = k + 1 == kids.len();
+                    up_steps.push(match parent {
+                        Some(p) if last => Step::RecvReduceSend {
+                            from: kid,
+                            to: p,
+                            src,
+                        },
+                        _ => Step::RecvReduceCopy {
+                            from: kid,
+                            src,
+                            dst: out,
+                            post: last,
+                        },
+                    });
+                }
+                let mut down_steps = Vec::new();
+                match (parent, kids.split_first()) {
+                    (None, _) => {
+                        down_steps.extend(kids.iter().map(|&k| Step::Send { to: k, src: out }))
+                    }
+                    (Some(p), None) => down_steps.push(Step::Recv { from: p, dst: out }),
+                    (Some(p), Some((&first, rest))) => {
+                        down_steps.push(Step::RecvCopySend {
+                            from: p,
+                            to: first,
+                            dst: out,
+                        });
+                        down_steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
+                    }
+                }
+                if parent.is_none() {
+                    root_lane.extend(up_steps);
+                    root_lane.extend(down_steps);
+                } else {
+                    up.extend(up_steps);
+                    down.extend(down_steps);
+                }
+            }
+            for steps in [root_lane, up, down] {
+                if !steps.is_empty() {
+                    lanes.push(lane(c, steps));
+                }
+            }
+        }
+        lanes
+    }
+
     /// The chunks of this channel's share of one block: `(offset within block, len)`.
     fn block_chunks(&self, channel: usize) -> Vec<(usize, usize)> {
         let (lo, len) = split_even(self.count, self.channels(), channel);
@@ -841,6 +991,7 @@ impl Builder<'_> {
                                 from: v.prev(),
                                 src,
                                 dst: Region::output(off, l),
+                                post: true,
                             },
                         });
                     }
@@ -963,6 +1114,7 @@ impl Builder<'_> {
                                 from: v.prev(),
                                 src,
                                 dst: Region::output(off, l),
+                                post: true,
                             },
                         }
                     })

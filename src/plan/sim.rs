@@ -328,9 +328,10 @@ fn execute<T: Clone>(
             let own = operand(bufs, &src)?;
             Some(combine(&src, &x, &own))
         }
-        Step::RecvReduceCopy { src, dst, .. } => {
+        Step::RecvReduceCopy { src, dst, post, .. } => {
             let own = operand(bufs, &src)?;
-            let v = finish(&dst, combine(&src, &x, &own));
+            let v = combine(&src, &x, &own);
+            let v = if post { finish(&dst, v) } else { v };
             bufs[dst.op].write(&dst, &v)?;
             None
         }

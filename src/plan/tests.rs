@@ -126,6 +126,7 @@ fn unusual_ring_orders_work() {
     let options = PlanOptions {
         chunk_elems: 3,
         rings: vec![vec![2, 0, 3, 1], vec![1, 3, 0, 2]],
+        ..PlanOptions::with_channels(4, 2, 3)
     };
     for c in collectives(4) {
         check(c, 37, 4, &options, false);
@@ -286,8 +287,8 @@ fn bad_arguments_are_errors() {
     let err = plan(Collective::Broadcast { root: 9 }, 1, 0, 4, &o).unwrap_err();
     assert!(err.to_string().contains("root/peer 9"), "{err}");
     let bad_ring = PlanOptions {
-        chunk_elems: 1,
         rings: vec![vec![0, 1, 1, 3]],
+        ..PlanOptions::with_channels(4, 1, 1)
     };
     assert!(plan(Collective::AllReduce, 1, 0, 4, &bad_ring).is_err());
 }
@@ -321,5 +322,61 @@ mod properties {
             ][which];
             check(c, count, n, &PlanOptions::with_channels(n, channels, chunk), in_place);
         }
+    }
+}
+
+#[test]
+fn tree_all_reduce_matches_the_reference() {
+    for n in 1..=9 {
+        // One rank per host, two per host, all on one host.
+        let layouts: [Vec<usize>; 3] = [
+            (0..n).collect(),
+            (0..n).map(|r| r / 2).collect(),
+            vec![0; n],
+        ];
+        for hosts in &layouts {
+            for channels in [1, 2, 3] {
+                for chunk in [1usize, 4, 1000] {
+                    let mut options = PlanOptions::with_channels(n, channels, chunk)
+                        .with_algorithm(Algorithm::Tree);
+                    options.hosts = hosts.clone();
+                    for count in [0usize, 1, 7, 64, 1023] {
+                        for in_place in [false, true] {
+                            check(Collective::AllReduce, count, n, &options, in_place);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tree_all_reduce_sends_the_buffer_about_twice_per_rank() {
+    // Across 8 hosts of one rank (tree 0 -> 4 -> {2, 6} -> {1, 3, 5, 7}), one chunk
+    // takes two rounds per level and direction, the second child one round after the
+    // first: 12 rounds against 2(n-1) + 1 = 15 for the ring, and the tree's count grows
+    // with log2 of the hosts where the ring's grows with the ranks.
+    let n = 8;
+    let options = PlanOptions::with_channels(n, 1, 1000).with_algorithm(Algorithm::Tree);
+    let plans: Vec<Plan> = (0..n)
+        .map(|r| plan(Collective::AllReduce, 1000, r, n, &options).unwrap())
+        .collect();
+    let mut bufs: Vec<Vec<Buffers<i64>>> = (0..n)
+        .map(|r| vec![Buffers::separate(vec![r as i64; 1000], 1000, 0)])
+        .collect();
+    let report = simulate(
+        &plans,
+        &mut bufs,
+        &[Arith::reduce(|a: &i64, b: &i64| a + b)],
+    )
+    .unwrap();
+    assert!(bufs.iter().all(|b| b[0].output().iter().all(|&v| v == 28)));
+    assert_eq!(report.rounds, 12);
+    for p in &plans {
+        assert!(
+            p.elems_sent() <= 3 * 1000,
+            "an inner rank sends up once, down twice"
+        );
     }
 }

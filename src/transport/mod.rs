@@ -53,8 +53,7 @@ pub enum TransportChoice {
 pub struct TransportConfig {
     /// Shape of every FIFO.
     pub geometry: Geometry,
-    /// The ring of each collective channel. Channel 0 connects every pair of ranks
-    /// (rings and direct algorithms); the others connect only their ring's edges.
+    /// The ring of each collective channel (every channel connects every pair of ranks).
     pub rings: Vec<Vec<usize>>,
     /// Which transport to use.
     pub choice: TransportChoice,
@@ -220,23 +219,16 @@ impl Connections {
         let fifo_name =
             |ci: usize, from: usize, to: usize| format!("{prefix}-f{}-{from}-{to}", chan_name(ci));
         let bell_name = |owner: usize| format!("{prefix}-b{owner}");
-        // Peers this rank receives from / sends to on channel index `ci`.
-        let neighbours = |ci: usize, incoming: bool| -> Vec<usize> {
+        // Peers this rank is connected to (both ways) on channel index `ci`.
+        let neighbours = |ci: usize| -> Vec<usize> {
             if ci == channels {
                 // Point-to-point: every rank, this one included (a rank may send to
                 // itself, as in NCCL).
                 (0..nranks).collect()
-            } else if ci == 0 {
-                (0..nranks).filter(|&r| r != rank).collect()
             } else {
-                let ring = &config.rings[ci];
-                let pos = ring.iter().position(|&r| r == rank).unwrap_or(0);
-                let peer = if incoming {
-                    ring[(pos + nranks - 1) % nranks]
-                } else {
-                    ring[(pos + 1) % nranks]
-                };
-                if peer == rank { vec![] } else { vec![peer] }
+                // Every channel connects every pair: rings use two neighbours, trees
+                // parents and children, direct algorithms everyone.
+                (0..nranks).filter(|&r| r != rank).collect()
             }
         };
 
@@ -255,7 +247,7 @@ impl Connections {
         let mut sends: Vec<Vec<Option<SendEnd>>> = table(channels + 1, nranks);
         let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
         for (ci, row) in recvs.iter_mut().enumerate() {
-            for from in neighbours(ci, true) {
+            for from in neighbours(ci) {
                 if path(from, rank) == Path::Tcp {
                     continue;
                 }
@@ -269,11 +261,8 @@ impl Connections {
         // TCP: one socket per channel and pair of ranks, opened by the lower rank.
         let mut tcp_pairs: Vec<(usize, usize)> = Vec::new();
         for ci in 0..=channels {
-            for peer in neighbours(ci, true)
-                .into_iter()
-                .chain(neighbours(ci, false))
-            {
-                if path(rank, peer) == Path::Tcp && !tcp_pairs.contains(&(ci, peer)) {
+            for peer in neighbours(ci) {
+                if path(rank, peer) == Path::Tcp {
                     tcp_pairs.push((ci, peer));
                 }
             }
@@ -326,7 +315,7 @@ impl Connections {
             });
         }
         for (ci, row) in sends.iter_mut().enumerate() {
-            for to in neighbours(ci, false) {
+            for to in neighbours(ci) {
                 if path(rank, to) == Path::Tcp {
                     continue;
                 }
