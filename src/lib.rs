@@ -16,6 +16,7 @@
 //!   in-memory simulator ([`plan::sim`]) that runs them exactly.
 //! - [`transport`]: slot FIFOs between ranks, in `/dev/shm` or process memory, with a
 //!   futex doorbell per rank and peer liveness.
+//! - [`tune`]: the α-β cost model that picks ring or tree per call.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
 //! - [`comm`]: the NCCL-shaped [`Communicator`].
@@ -78,6 +79,7 @@ pub mod reduce;
 pub mod store;
 pub mod trace;
 pub mod transport;
+pub mod tune;
 pub mod types;
 
 pub use comm::Communicator;

@@ -21,7 +21,7 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
-/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, lists, `^` to exclude | `algorithm` | ring |
+/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, lists, `^` to exclude | `algorithm` | chosen per call by [`crate::tune`] |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
@@ -40,8 +40,8 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
-    /// The all-reduce algorithm.
-    pub algorithm: Algorithm,
+    /// The all-reduce algorithm; `None` lets the cost model choose per call.
+    pub algorithm: Option<Algorithm>,
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
@@ -60,7 +60,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: slots / 2 * slot_bytes,
             transport: TransportChoice::Auto,
-            algorithm: Algorithm::Ring,
+            algorithm: None,
             link_timeout: Duration::from_secs(30),
             bootstrap: BootstrapOptions::default(),
         }
@@ -171,11 +171,12 @@ impl CommConfig {
     }
 }
 
-/// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`) and
-/// picks the algorithm to use. NCCL's algorithms that ferroccl does not have (`collnet*`,
+/// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`):
+/// the one algorithm it allows, or `None` when it allows both (the cost model then
+/// chooses per call). NCCL's algorithms that ferroccl does not have (`collnet*`,
 /// `nvls*`, `pat`) are accepted and ignored, so an `NCCL_ALGO` meant for NCCL still
 /// works; anything else is an error naming it.
-pub fn parse_algorithms(var: &str, list: &str) -> Result<Algorithm> {
+pub fn parse_algorithms(var: &str, list: &str) -> Result<Option<Algorithm>> {
     let (exclude, body) = match list.trim().strip_prefix('^') {
         Some(rest) => (true, rest),
         None => (false, list.trim()),
@@ -198,11 +199,14 @@ pub fn parse_algorithms(var: &str, list: &str) -> Result<Algorithm> {
         .into_iter()
         .filter(|a| named.contains(a) != exclude)
         .collect();
-    // With both allowed, ring: the cost-model tuner that chooses by size is not built yet.
-    allowed.first().copied().ok_or_else(|| Error::Env {
-        var: var.into(),
-        detail: format!("{list:?} leaves no algorithm (ferroccl has ring and tree)"),
-    })
+    match allowed.as_slice() {
+        [] => Err(Error::Env {
+            var: var.into(),
+            detail: format!("{list:?} leaves no algorithm (ferroccl has ring and tree)"),
+        }),
+        [only] => Ok(Some(*only)),
+        _ => Ok(None),
+    }
 }
 
 #[cfg(test)]
@@ -211,10 +215,20 @@ mod tests {
 
     #[test]
     fn algorithm_lists_follow_nccl_syntax() {
-        assert_eq!(parse_algorithms("X", "tree").unwrap(), Algorithm::Tree);
-        assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), Algorithm::Ring);
-        assert_eq!(parse_algorithms("X", "^ring").unwrap(), Algorithm::Tree);
-        assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), Algorithm::Tree);
+        assert_eq!(
+            parse_algorithms("X", "tree").unwrap(),
+            Some(Algorithm::Tree)
+        );
+        assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), None);
+        assert_eq!(
+            parse_algorithms("X", "^ring").unwrap(),
+            Some(Algorithm::Tree)
+        );
+        assert_eq!(
+            parse_algorithms("X", "nvls,tree").unwrap(),
+            Some(Algorithm::Tree)
+        );
+        assert_eq!(parse_algorithms("X", "^nvls").unwrap(), None);
         let err = parse_algorithms("X", "^ring,tree").unwrap_err().to_string();
         assert!(err.contains("leaves no algorithm"), "{err}");
         let err = parse_algorithms("X", "butterfly").unwrap_err().to_string();

@@ -23,11 +23,12 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::engine::progress::{Pending, ProgressThread, Turns, pending};
 use crate::engine::{self, CallInfo, OpBuffers};
 use crate::error::{Error, Result};
-use crate::plan::{self, Collective, Plan, PlanOptions};
+use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::Closed;
 use crate::transport::{Connections, TransportConfig};
+use crate::tune::{CostModel, LinkCost, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
 /// One rank's handle on a group of ranks that run collectives together.
@@ -37,6 +38,10 @@ pub struct Communicator {
     config: CommConfig,
     /// Plan options for element sizes 1, 2, 4 and 8 bytes (the chunk is in elements).
     plan_options: [PlanOptions; 4],
+    /// Rank 0's cost model (every rank uses the same one, so choices agree).
+    model: CostModel,
+    /// Ranks, hosts, ranks per host.
+    shape: Shape,
     boot: Bootstrap,
     state: Mutex<State>,
     splits: AtomicU64,
@@ -149,6 +154,22 @@ impl Communicator {
     pub fn from_bootstrap(boot: Bootstrap, config: CommConfig) -> Result<Self> {
         config.validate()?;
         let (rank, nranks) = (boot.rank(), boot.world_size());
+        // Everyone plans with rank 0's cost model, so that every rank picks the same
+        // algorithm for the same call even if their environments differ.
+        let mine = CostModel::from_env()?;
+        let models =
+            boot.all_gather(format!("{};{}", mine.local.to_text(), mine.net.to_text()).as_bytes())?;
+        let model = {
+            let text = String::from_utf8_lossy(&models[0]).into_owned();
+            let (local, net) = text.split_once(';').ok_or_else(|| Error::BootstrapData {
+                rank: 0,
+                detail: format!("cost model {text:?}"),
+            })?;
+            CostModel {
+                local: LinkCost::parse("rank 0's cost model", local)?,
+                net: LinkCost::parse("rank 0's cost model", net)?,
+            }
+        };
         let rings = PlanOptions::with_channels(nranks, config.channels, 1).rings;
         let conns = Connections::establish(
             &boot,
@@ -176,14 +197,24 @@ impl Communicator {
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
             chunk_elems: (config.chunk_bytes / elem).max(1),
             rings: rings.clone(),
-            algorithm: config.algorithm,
+            algorithm: config.algorithm.unwrap_or_default(),
             hosts: hosts.clone(),
         });
+        let shape = Shape {
+            ranks: nranks,
+            hosts: host_ids.len(),
+            ranks_per_host: (0..host_ids.len())
+                .map(|h| hosts.iter().filter(|&&x| x == h).count())
+                .max()
+                .unwrap_or(1),
+        };
         Ok(Communicator {
             rank,
             nranks,
             config,
             plan_options,
+            model,
+            shape,
             boot,
             state: Mutex::new(State {
                 conns,
@@ -699,7 +730,40 @@ impl Communicator {
 
     fn plan_one(&self, raw: &RawOp) -> Result<Plan> {
         let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
-        plan::plan(raw.collective, raw.count, self.rank, self.nranks, options)
+        let bytes = raw.count * raw.dtype.size();
+        let algorithm = self.algorithm_for(raw.collective, bytes);
+        if algorithm == options.algorithm {
+            return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
+        }
+        let options = options.clone().with_algorithm(algorithm);
+        plan::plan(raw.collective, raw.count, self.rank, self.nranks, &options)
+    }
+
+    /// The algorithm a call of `collective` moving `bytes` per rank uses: the one
+    /// `FERROCCL_ALGO` forces, or the cost model's choice. (Only all-reduce has a
+    /// choice; the others use their one algorithm, reported as ring.)
+    pub fn algorithm_for(&self, collective: Collective, bytes: usize) -> Algorithm {
+        if collective != Collective::AllReduce {
+            return Algorithm::Ring;
+        }
+        let algorithm = self
+            .config
+            .algorithm
+            .unwrap_or_else(|| self.model.choose(bytes, self.shape));
+        tracing::debug!(
+            "rank {}: all_reduce of {bytes} B on {:?}: {} (model: ring {:.1} us, tree {:.1} us)",
+            self.rank,
+            self.shape,
+            algorithm.name(),
+            self.model.all_reduce(Algorithm::Ring, bytes, self.shape) * 1e6,
+            self.model.all_reduce(Algorithm::Tree, bytes, self.shape) * 1e6,
+        );
+        algorithm
+    }
+
+    /// The cost model in use and the job's shape (rank 0's model).
+    pub fn cost_model(&self) -> (CostModel, Shape) {
+        (self.model, self.shape)
     }
 
     // ----- argument checks ---------------------------------------------------------

@@ -153,14 +153,16 @@ impl Test {
         }
     }
 
-    /// The algorithm the plan uses, for the report.
-    fn algorithm(&self, config: &CommConfig) -> String {
-        let channels = config.channels;
+    /// The algorithm a call of `count` elements of `elem` bytes uses, for the report.
+    fn algorithm(&self, comm: &Communicator, count: usize, elem: usize) -> String {
+        let channels = comm.config().channels;
         match self {
             Test::AllToAll | Test::Gather | Test::Scatter => "direct".into(),
             Test::SendRecv => "p2p".into(),
-            Test::AllReduce => format!("{}/{channels}ch", config.algorithm.name()),
-            _ => format!("ring/{channels}ch"),
+            _ => {
+                let algo = comm.algorithm_for(self.collective(0), count * elem);
+                format!("{}/{channels}ch", algo.name())
+            }
         }
     }
 }
@@ -366,7 +368,7 @@ fn measure<T: Element + Default>(
         root: test.rooted().then_some(root),
         out_of_place: modes.pop().expect("out-of-place measured"),
         in_place,
-        algorithm: test.algorithm(comm.config()),
+        algorithm: test.algorithm(comm, count, elem),
         rank,
     })
 }
