@@ -16,6 +16,7 @@
 //!   in-memory simulator ([`plan::sim`]) that runs them exactly.
 //! - [`transport`]: slot FIFOs between ranks, in `/dev/shm` or process memory, with a
 //!   futex doorbell per rank and peer liveness.
+//! - [`topo`]: which ranks share a host; this host's NUMA nodes and NICs; JSON dumps.
 //! - [`tune`]: the α-β cost model that picks ring or tree per call.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
@@ -77,6 +78,7 @@ pub mod perf;
 pub mod plan;
 pub mod reduce;
 pub mod store;
+pub mod topo;
 pub mod trace;
 pub mod transport;
 pub mod tune;

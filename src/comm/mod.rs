@@ -170,7 +170,9 @@ impl Communicator {
                 net: LinkCost::parse("rank 0's cost model", net)?,
             }
         };
-        let rings = PlanOptions::with_channels(nranks, config.channels, 1).rings;
+        let hosts = crate::topo::host_labels(boot.peers());
+        let rings = PlanOptions::for_hosts(&hosts, config.channels, 1).rings;
+        crate::topo::dump_from_env(rank, boot.peers(), &rings)?;
         let conns = Connections::establish(
             &boot,
             &TransportConfig {
@@ -181,19 +183,7 @@ impl Communicator {
                 link_timeout: config.link_timeout,
             },
         )?;
-        // Ranks that share a host get the same label, for the trees.
-        let mut host_ids: Vec<&str> = Vec::new();
-        let hosts: Vec<usize> = boot
-            .peers()
-            .iter()
-            .map(|p| match host_ids.iter().position(|h| *h == p.host_id) {
-                Some(i) => i,
-                None => {
-                    host_ids.push(&p.host_id);
-                    host_ids.len() - 1
-                }
-            })
-            .collect();
+        let host_count = hosts.iter().max().map_or(1, |m| m + 1);
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
             chunk_elems: (config.chunk_bytes / elem).max(1),
             rings: rings.clone(),
@@ -202,8 +192,8 @@ impl Communicator {
         });
         let shape = Shape {
             ranks: nranks,
-            hosts: host_ids.len(),
-            ranks_per_host: (0..host_ids.len())
+            hosts: host_count,
+            ranks_per_host: (0..host_count)
                 .map(|h| hosts.iter().filter(|&&x| x == h).count())
                 .max()
                 .unwrap_or(1),
@@ -732,6 +722,14 @@ impl Communicator {
         let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
         let bytes = raw.count * raw.dtype.size();
         let algorithm = self.algorithm_for(raw.collective, bytes);
+        if raw.collective == Collective::AllReduce {
+            tracing::info!(
+                "rank {}: all_reduce of {bytes} B uses {} ({} channels)",
+                self.rank,
+                algorithm.name(),
+                self.config.channels
+            );
+        }
         if algorithm == options.algorithm {
             return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
         }

@@ -501,6 +501,31 @@ impl PlanOptions {
         }
     }
 
+    /// `channels` rings over ranks on hosts `hosts[rank]`: each ring visits the ranks of
+    /// one host together, so it crosses every host boundary once (ranks that launchers
+    /// numbered round-robin across hosts included); odd channels go the other way round.
+    pub fn for_hosts(hosts: &[usize], channels: usize, chunk_elems: usize) -> Self {
+        let mut order: Vec<usize> = (0..hosts.len()).collect();
+        // Hosts in order of their first rank, ranks in order within a host.
+        let first = |h: usize| hosts.iter().position(|&x| x == h).unwrap_or(0);
+        order.sort_by_key(|&r| (first(hosts[r]), r));
+        let rings = (0..channels.max(1))
+            .map(|c| {
+                let mut ring = order.clone();
+                if c % 2 == 1 {
+                    ring.reverse();
+                }
+                ring
+            })
+            .collect();
+        PlanOptions {
+            chunk_elems: chunk_elems.max(1),
+            rings,
+            algorithm: Algorithm::Ring,
+            hosts: hosts.to_vec(),
+        }
+    }
+
     /// The same options with `algorithm` for all-reduce.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;

@@ -1,0 +1,104 @@
+//! `ferroccl-topo`: this host's topology, and the rings and trees a job would use.
+//!
+//! ```text
+//! ferroccl-topo                                  # NUMA nodes, CPUs, NICs of this host
+//! ferroccl-topo --hosts 4 --ranks-per-host 2     # plus the rings and double binary tree
+//! ferroccl-topo --json                           # the same as JSON
+//! ```
+//!
+//! A running job writes its own (actual ranks and addresses) with
+//! `FERROCCL_TOPO_DUMP_FILE=FILE`.
+
+use std::process::ExitCode;
+
+use ferroccl::plan::PlanOptions;
+use ferroccl::plan::tree::RankTree;
+use ferroccl::topo::HostTopology;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut json = false;
+    let (mut hosts, mut per_host, mut channels) = (None, 1usize, 2usize);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut num = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&v: &usize| v > 0)
+                .ok_or(format!("{name} needs a positive number"))
+        };
+        let r = match a.as_str() {
+            "--json" => {
+                json = true;
+                Ok(())
+            }
+            "--hosts" => num("--hosts").map(|v| hosts = Some(v)),
+            "--ranks-per-host" => num("--ranks-per-host").map(|v| per_host = v),
+            "--channels" => num("--channels").map(|v| channels = v),
+            "-h" | "--help" => {
+                println!(
+                    "usage: ferroccl-topo [--json] [--hosts H [--ranks-per-host K] [--channels C]]"
+                );
+                return ExitCode::SUCCESS;
+            }
+            other => Err(format!("unknown option {other}")),
+        };
+        if let Err(e) = r {
+            eprintln!("ferroccl-topo: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let host = HostTopology::detect();
+    let labels: Option<Vec<usize>> =
+        hosts.map(|h| (0..h * per_host).map(|r| r / per_host).collect());
+    if json {
+        let mut doc = serde_json::json!({ "this_host": host.to_json() });
+        if let Some(labels) = &labels {
+            let rings = PlanOptions::for_hosts(labels, channels, 1).rings;
+            let trees: Vec<_> = (0..2)
+                .map(|w| {
+                    let t = RankTree::new(labels, w);
+                    serde_json::json!({"parent": t.parent, "children": t.children})
+                })
+                .collect();
+            doc["job"] = serde_json::json!({"hosts": labels, "rings": rings, "trees": trees});
+        }
+        println!("{}", serde_json::to_string_pretty(&doc).expect("JSON"));
+        return ExitCode::SUCCESS;
+    }
+    println!("host {}", host.hostname);
+    for n in &host.numa {
+        println!("  numa node {}: cpus {:?}", n.id, n.cpus);
+    }
+    for nic in &host.nics {
+        println!(
+            "  nic {}: {}{}{}",
+            nic.name,
+            nic.speed_mbps
+                .map_or("speed unknown".to_string(), |s| format!("{s} Mbit/s")),
+            if nic.rdma { ", RDMA" } else { "" },
+            nic.pci
+                .as_ref()
+                .map_or(String::new(), |p| format!(", pci {p}"))
+        );
+    }
+    if let Some(labels) = labels {
+        println!("job: {} hosts x {per_host} ranks", labels.len() / per_host);
+        for (c, ring) in PlanOptions::for_hosts(&labels, channels, 1)
+            .rings
+            .iter()
+            .enumerate()
+        {
+            println!("  ring {c}: {ring:?}");
+        }
+        for w in 0..2 {
+            let t = RankTree::new(&labels, w);
+            let depth = (0..labels.len()).map(|r| t.depth(r)).max().unwrap_or(0);
+            println!("  tree {w}: root {}, depth {depth}", t.root());
+            for (r, kids) in t.children.iter().enumerate().filter(|(_, k)| !k.is_empty()) {
+                println!("    {r} -> {kids:?}");
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
