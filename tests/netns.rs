@@ -230,14 +230,16 @@ const TOOLS: [(&str, &str, bool); 9] = [
 fn all_collectives(nhosts: usize, ranks_per_host: usize) {
     let Some(h) = hosts(nhosts, None) else { return };
     let world = nhosts * ranks_per_host;
-    let ring: &[(&str, &str)] = &[];
+    let tuned: &[(&str, &str)] = &[];
+    let ring: &[(&str, &str)] = &[("FERROCCL_ALGO", "ring")];
     let tree: &[(&str, &str)] = &[("FERROCCL_ALGO", "tree"), ("FERROCCL_NCHANNELS", "2")];
     for (name, exe, reduces) in TOOLS {
-        // All-reduce runs with the ring and with the double binary tree forced.
+        // All-reduce runs with the tuner's choice, the ring forced and the double binary
+        // tree forced.
         let algos = if name == "all_reduce_perf" {
-            vec![ring, tree]
+            vec![tuned, ring, tree]
         } else {
-            vec![ring]
+            vec![tuned]
         };
         for (env, dtype) in algos
             .into_iter()
@@ -267,6 +269,15 @@ fn all_collectives(nhosts: usize, ranks_per_host: usize) {
                         "{name}: {stdout}"
                     );
                     assert!(stdout.contains(&format!("nRanks {world}")), "{stdout}");
+                    if env == tree {
+                        assert!(
+                            stdout.contains("tree/2ch") && !stdout.contains("ring/"),
+                            "{stdout}"
+                        );
+                    }
+                    if env == ring {
+                        assert!(!stdout.contains("tree/"), "{stdout}");
+                    }
                 }
             }
         }
