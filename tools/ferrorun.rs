@@ -36,30 +36,9 @@ options:
   -h, --help           print this help
 ";
 
-/// What the command line asked for.
-#[derive(Debug)]
-struct Args {
-    nproc_per_node: usize,
-    nnodes: usize,
-    node_rank: usize,
-    master_addr: String,
-    master_port: Option<u16>,
-    grace: Duration,
-    prefix: bool,
-    program: Vec<String>,
-}
-
-fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut args = Args {
-        nproc_per_node: 1,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: None,
-        grace: Duration::from_secs(5),
-        prefix: true,
-        program: Vec::new(),
-    };
+/// Reads the command line into the job to launch (`None`: print the help).
+fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<LocalJob>, String> {
+    let mut args = LocalJob::single_node("ferrorun", Vec::new(), 1);
     fn value<T: std::str::FromStr>(
         flag: &str,
         inline: Option<String>,
@@ -133,18 +112,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let job = LocalJob {
-        name: "ferrorun".into(),
-        program: args.program,
-        nproc_per_node: args.nproc_per_node,
-        nnodes: args.nnodes,
-        node_rank: args.node_rank,
-        master_addr: args.master_addr,
-        master_port: args.master_port,
-        grace: args.grace,
-        prefix: args.prefix,
-        env: Vec::new(),
-    };
+    let job = args;
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -161,7 +129,7 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
     use std::process::ExitStatus;
 
-    fn parse(words: &[&str]) -> Result<Option<Args>, String> {
+    fn parse(words: &[&str]) -> Result<Option<LocalJob>, String> {
         parse_args(words.iter().map(|s| s.to_string()))
     }
 
