@@ -101,8 +101,8 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<LocalJob>
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1)) {
-        Ok(Some(args)) => args,
+    let job = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(job)) => job,
         Ok(None) => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -112,7 +112,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let job = args;
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
