@@ -130,6 +130,40 @@ impl CostModel {
         }
     }
 
+    /// Predicted seconds for a broadcast of `bytes` with `algo`: a pipelined chain along
+    /// the ring, `(n−1)·α + S/β`, or down the tree, `(d·α_net + (k−1)·α_local) + 2·S/β`
+    /// (an inner node sends each chunk to two children).
+    pub fn broadcast(&self, algo: Algorithm, bytes: usize, shape: Shape) -> f64 {
+        if shape.ranks <= 1 {
+            return 0.0;
+        }
+        let s = bytes as f64;
+        let slow = if shape.hosts > 1 {
+            self.net
+        } else {
+            self.local
+        };
+        match algo {
+            Algorithm::Ring => (shape.ranks as f64 - 1.0) * slow.alpha + s / slow.beta,
+            Algorithm::Tree => {
+                let levels = (shape.hosts.max(1) as f64).log2().ceil();
+                let chain = shape.ranks_per_host.max(1) as f64 - 1.0;
+                levels * self.net.alpha + chain * self.local.alpha + 2.0 * s / slow.beta
+            }
+        }
+    }
+
+    /// The faster of ring and tree for a broadcast of `bytes`.
+    pub fn choose_broadcast(&self, bytes: usize, shape: Shape) -> Algorithm {
+        let ring = self.broadcast(Algorithm::Ring, bytes, shape);
+        let tree = self.broadcast(Algorithm::Tree, bytes, shape);
+        if tree < ring {
+            Algorithm::Tree
+        } else {
+            Algorithm::Ring
+        }
+    }
+
     /// The faster of ring and tree for an all-reduce of `bytes`.
     pub fn choose(&self, bytes: usize, shape: Shape) -> Algorithm {
         let ring = self.all_reduce(Algorithm::Ring, bytes, shape);

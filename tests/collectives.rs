@@ -144,7 +144,7 @@ fn eight_ranks() {
 }
 
 #[test]
-fn tree_all_reduce_on_every_rank_count() {
+fn tree_all_reduce_and_broadcast_on_every_rank_count() {
     for n in 2..=8 {
         let mut config = config(1 + n % 2);
         config.algorithm = Some(ferroccl::plan::Algorithm::Tree);
@@ -156,6 +156,17 @@ fn tree_all_reduce_on_every_rank_count() {
                     for in_place in [false, true] {
                         calls.push((Collective::AllReduce, dtype, op, count, in_place));
                     }
+                }
+            }
+            for root in 0..n {
+                for count in COUNTS {
+                    calls.push((
+                        Collective::Broadcast { root },
+                        dtype,
+                        ReduceOp::Sum,
+                        count,
+                        root % 2 == 0,
+                    ));
                 }
             }
         }

@@ -234,9 +234,9 @@ fn all_collectives(nhosts: usize, ranks_per_host: usize) {
     let ring: &[(&str, &str)] = &[("FERROCCL_ALGO", "ring")];
     let tree: &[(&str, &str)] = &[("FERROCCL_ALGO", "tree"), ("FERROCCL_NCHANNELS", "2")];
     for (name, exe, reduces) in TOOLS {
-        // All-reduce runs with the tuner's choice, the ring forced and the double binary
+        // All-reduce and broadcast run with the tuner's choice, the ring forced and the
         // tree forced.
-        let algos = if name == "all_reduce_perf" {
+        let algos = if name == "all_reduce_perf" || name == "broadcast_perf" {
             vec![tuned, ring, tree]
         } else {
             vec![tuned]

@@ -722,10 +722,14 @@ impl Communicator {
         let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
         let bytes = raw.count * raw.dtype.size();
         let algorithm = self.algorithm_for(raw.collective, bytes);
-        if raw.collective == Collective::AllReduce {
+        if matches!(
+            raw.collective,
+            Collective::AllReduce | Collective::Broadcast { .. }
+        ) {
             tracing::info!(
-                "rank {}: all_reduce of {bytes} B uses {} ({} channels)",
+                "rank {}: {} of {bytes} B uses {} ({} channels)",
                 self.rank,
+                raw.collective.name(),
                 algorithm.name(),
                 self.config.channels
             );
@@ -738,23 +742,26 @@ impl Communicator {
     }
 
     /// The algorithm a call of `collective` moving `bytes` per rank uses: the one
-    /// `FERROCCL_ALGO` forces, or the cost model's choice. (Only all-reduce has a
-    /// choice; the others use their one algorithm, reported as ring.)
+    /// `FERROCCL_ALGO` forces, or the cost model's choice. (All-reduce and broadcast
+    /// have a choice; the others use their one algorithm, reported as ring.)
     pub fn algorithm_for(&self, collective: Collective, bytes: usize) -> Algorithm {
-        if collective != Collective::AllReduce {
-            return Algorithm::Ring;
-        }
-        let algorithm = self
-            .config
-            .algorithm
-            .unwrap_or_else(|| self.model.choose(bytes, self.shape));
+        let algorithm = match collective {
+            Collective::AllReduce => self
+                .config
+                .algorithm
+                .unwrap_or_else(|| self.model.choose(bytes, self.shape)),
+            Collective::Broadcast { .. } => self
+                .config
+                .algorithm
+                .unwrap_or_else(|| self.model.choose_broadcast(bytes, self.shape)),
+            _ => return Algorithm::Ring,
+        };
         tracing::debug!(
-            "rank {}: all_reduce of {bytes} B on {:?}: {} (model: ring {:.1} us, tree {:.1} us)",
+            "rank {}: {} of {bytes} B on {:?}: {}",
             self.rank,
+            collective.name(),
             self.shape,
-            algorithm.name(),
-            self.model.all_reduce(Algorithm::Ring, bytes, self.shape) * 1e6,
-            self.model.all_reduce(Algorithm::Tree, bytes, self.shape) * 1e6,
+            algorithm.name()
         );
         algorithm
     }

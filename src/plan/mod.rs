@@ -450,7 +450,7 @@ pub struct PlanOptions {
     /// One ring per channel: the ranks in ring order. All must be permutations of
     /// `0..nranks`.
     pub rings: Vec<Vec<usize>>,
-    /// The algorithm for all-reduce.
+    /// The algorithm for all-reduce and broadcast (the other collectives have one).
     pub algorithm: Algorithm,
     /// The host of each rank (any labels; equal labels share a host), for trees: hosts
     /// form a double binary tree, ranks of a host a chain. Empty: one host per rank.
@@ -738,7 +738,10 @@ pub fn plan(
         },
         Collective::ReduceScatter => b.ring_reduce_scatter(),
         Collective::AllGather => b.ring_all_gather(),
-        Collective::Broadcast { root } => b.ring_broadcast(root),
+        Collective::Broadcast { root } => match options.algorithm {
+            Algorithm::Ring => b.ring_broadcast(root),
+            Algorithm::Tree => b.tree_broadcast(root),
+        },
         Collective::Reduce { root } => b.ring_reduce(root),
         Collective::AllToAll => b.direct_all_to_all(),
         Collective::Gather { root } => b.direct_rooted(root, true),
@@ -971,6 +974,42 @@ impl Builder<'_> {
             }
         }
         lanes
+    }
+
+    /// Tree broadcast: the root's data flows down tree 0 re-rooted at the root, chunk by
+    /// chunk, each rank forwarding to its children as it receives.
+    fn tree_broadcast(&self, root: usize) -> Vec<Lane> {
+        let t = tree::RankTree::rooted_at(self.hosts, root);
+        let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
+        (0..self.channels())
+            .map(|c| {
+                let mut steps = Vec::new();
+                for (off, l) in self.block_chunks(c) {
+                    let (inp, out) = (Region::input(off, l), Region::output(off, l));
+                    match (parent, kids.split_first()) {
+                        (None, None) => steps.push(Step::Copy { src: inp, dst: out }),
+                        (None, Some((&first, rest))) => {
+                            steps.push(Step::CopySend {
+                                to: first,
+                                src: inp,
+                                dst: out,
+                            });
+                            steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
+                        }
+                        (Some(p), None) => steps.push(Step::Recv { from: p, dst: out }),
+                        (Some(p), Some((&first, rest))) => {
+                            steps.push(Step::RecvCopySend {
+                                from: p,
+                                to: first,
+                                dst: out,
+                            });
+                            steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
+                        }
+                    }
+                }
+                lane(c, steps)
+            })
+            .collect()
     }
 
     /// The chunks of this channel's share of one block: `(offset within block, len)`.

@@ -380,3 +380,24 @@ fn tree_all_reduce_sends_the_buffer_about_twice_per_rank() {
         );
     }
 }
+
+#[test]
+fn tree_broadcast_matches_the_reference_from_every_root() {
+    for n in 1..=9 {
+        let layouts: [Vec<usize>; 2] = [(0..n).collect(), (0..n).map(|r| r / 3).collect()];
+        for hosts in &layouts {
+            for channels in [1, 2] {
+                let mut options =
+                    PlanOptions::with_channels(n, channels, 5).with_algorithm(Algorithm::Tree);
+                options.hosts = hosts.clone();
+                for root in 0..n {
+                    for count in [0usize, 1, 23] {
+                        for in_place in [false, true] {
+                            check(Collective::Broadcast { root }, count, n, &options, in_place);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -88,6 +88,25 @@ impl RankTree {
         RankTree { parent, children }
     }
 
+    /// Tree 0 re-rooted at `root`: `root`'s host becomes the root host and `root` its
+    /// head (for rooted collectives such as broadcast).
+    pub fn rooted_at(host_of: &[usize], root: usize) -> Self {
+        let n = host_of.len();
+        // Virtual order: the root first, then the others; build, then map back.
+        let order: Vec<usize> = std::iter::once(root)
+            .chain((0..n).filter(|&r| r != root))
+            .collect();
+        let virt_hosts: Vec<usize> = order.iter().map(|&r| host_of[r]).collect();
+        let t = RankTree::new(&virt_hosts, 0);
+        let mut parent = vec![None; n];
+        let mut children = vec![Vec::new(); n];
+        for (v, &r) in order.iter().enumerate() {
+            parent[r] = t.parent[v].map(|p| order[p]);
+            children[r] = t.children[v].iter().map(|&c| order[c]).collect();
+        }
+        RankTree { parent, children }
+    }
+
     /// The root.
     pub fn root(&self) -> usize {
         self.parent.iter().position(Option::is_none).unwrap_or(0)
@@ -140,6 +159,18 @@ mod tests {
             // (the shape cannot always avoid it for tiny or odd n).
             let both = (0..n).filter(|&r| inner[0][r] && inner[1][r]).count();
             assert!(both <= 1, "n {n}: {both} nodes are inner in both trees");
+        }
+    }
+
+    #[test]
+    fn a_tree_can_be_rooted_at_any_rank() {
+        let hosts = [0, 0, 1, 1, 2, 2, 3];
+        for root in 0..hosts.len() {
+            let t = RankTree::rooted_at(&hosts, root);
+            assert_eq!(t.root(), root);
+            for r in 0..hosts.len() {
+                assert!(t.depth(r) <= 2 + 1, "root {root}: depth of {r}");
+            }
         }
     }
 
