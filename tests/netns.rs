@@ -151,7 +151,9 @@ impl Hosts {
             .env("MASTER_ADDR", self.addr(0))
             .env("MASTER_PORT", "29517")
             .env("FERROCCL_HOSTID", self.ns(host))
-            .env("FERROCCL_SOCKET_IFNAME", format!("={}", self.inner(host)))
+            // No FERROCCL_SOCKET_IFNAME: each rank must find its interface on the route to
+            // MASTER_ADDR by itself.
+            .env_remove("FERROCCL_SOCKET_IFNAME")
             .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .env_remove("FERROCCL_TRANSPORT")
             .envs(env.iter().copied())

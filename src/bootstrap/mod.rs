@@ -93,6 +93,9 @@ pub struct Bootstrap {
     next_seq: AtomicU64,
     /// Whether the store server runs in this process (and dies with it).
     hosts_store: bool,
+    /// `host:port` of the store server, when known: the interface on the route to it is
+    /// the one peers on other hosts can reach this rank through.
+    store_addr: Option<String>,
 }
 
 impl std::fmt::Debug for Bootstrap {
@@ -148,6 +151,7 @@ impl Bootstrap {
             peers: Vec::new(),
             next_seq: AtomicU64::new(0),
             hosts_store,
+            store_addr: None,
         };
         boot.peers = boot.exchange_peer_info(&me)?;
         tracing::debug!(
@@ -172,7 +176,9 @@ impl Bootstrap {
             },
         )?;
         let store = PrefixStore::new(id.key_prefix(), Arc::new(client));
-        Self::new(Arc::new(store), rank, world_size, options)
+        let mut boot = Self::new(Arc::new(store), rank, world_size, options)?;
+        boot.store_addr = Some(id.store_addr().to_string());
+        Ok(boot)
     }
 
     /// `env://` initialisation: reads the launcher's variables ([`LaunchEnv`]), hosts or
@@ -214,13 +220,14 @@ impl Bootstrap {
         };
         let generation = CALLS.fetch_add(1, Ordering::Relaxed);
         let store = PrefixStore::new(format!("ferroccl/env/{generation}"), Arc::new(client));
-        let boot = Self::join(
+        let mut boot = Self::join(
             Arc::new(store),
             env.rank,
             env.world_size,
             options,
             hosts_store,
         )?;
+        boot.store_addr = Some(env.store_addr());
         Ok((boot, env))
     }
 
@@ -266,6 +273,11 @@ impl Bootstrap {
     /// The store the rendezvous runs on (namespaced to this job).
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// `host:port` of the store server, when this rendezvous knows it.
+    pub fn store_addr(&self) -> Option<&str> {
+        self.store_addr.as_deref()
     }
 
     /// The rendezvous timeout.

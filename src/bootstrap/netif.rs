@@ -164,6 +164,34 @@ pub fn usable_addrs(filter: Option<&IfaceFilter>) -> Result<Vec<IpAddr>> {
     Ok(picked.into_iter().map(|a| a.addr).collect())
 }
 
+/// The local address the kernel would send from to reach `dest` (`host:port`): the
+/// interface on the route to it. No packet is sent (a UDP socket is only connected).
+pub fn route_source(dest: &str) -> Option<IpAddr> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let target = dest.to_socket_addrs().ok()?.next()?;
+    let any: IpAddr = if target.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    let sock = UdpSocket::bind((any, 0)).ok()?;
+    sock.connect(target).ok()?;
+    sock.local_addr().ok().map(|a| a.ip())
+}
+
+/// The address to listen on for peers: the interfaces `FERROCCL_SOCKET_IFNAME` names
+/// when it is set; else the one on the route to the job's store (`route_hint`), which is
+/// how the other hosts reach this one too; else the first usable address.
+pub fn listen_addr(route_hint: Option<&str>) -> Result<IpAddr> {
+    let filter = IfaceFilter::from_env();
+    if filter.is_none()
+        && let Some(ip) = route_hint.and_then(route_source)
+    {
+        return Ok(ip);
+    }
+    Ok(usable_addrs(filter.as_ref())?[0])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +206,15 @@ mod tests {
         assert!(f.matches("eth0") && !f.matches("eth01"));
         let f = IfaceFilter::parse("^=lo");
         assert!(!f.matches("lo") && f.matches("lo2"));
+    }
+
+    #[test]
+    fn the_route_to_loopback_starts_at_loopback() {
+        assert_eq!(
+            route_source("127.0.0.1:9"),
+            Some(IpAddr::V4(Ipv4Addr::LOCALHOST))
+        );
+        assert_eq!(route_source("no.such.host.invalid:1"), None);
     }
 
     #[test]

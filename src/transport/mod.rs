@@ -167,7 +167,7 @@ impl Connections {
         // A name space for this communicator's segments, chosen by rank 0, and every
         // rank's TCP listening address.
         let listener = if (0..nranks).any(|r| path(rank, r) == Path::Tcp) {
-            let ip = netif::usable_addrs(netif::IfaceFilter::from_env().as_ref())?[0];
+            let ip = netif::listen_addr(boot.store_addr())?;
             Some(
                 TcpListener::bind(SocketAddr::new(ip, 0))
                     .map_err(|e| Error::io(format!("listen for peers on {ip}"), e))?,
