@@ -95,13 +95,12 @@ impl Hosts {
                     "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms",
                 ];
                 for (netns, dev) in [(None, outer.as_str()), (Some(ns.as_str()), inner.as_str())] {
-                    let mut cmd = Command::new("ip");
-                    match netns {
-                        Some(netns) => cmd.args(["netns", "exec", netns, "tc"]),
-                        None => cmd.args(["-n", "1"]).arg("tc"),
-                    };
                     let mut cmd = match netns {
-                        Some(_) => cmd,
+                        Some(netns) => {
+                            let mut c = Command::new("ip");
+                            c.args(["netns", "exec", netns, "tc"]);
+                            c
+                        }
                         None => Command::new("tc"),
                     };
                     let st = cmd
@@ -170,17 +169,28 @@ impl Drop for Hosts {
     }
 }
 
-/// Namespaces available? Prints why not when they are not.
+/// `n` hosts, or `None` (said loudly) where namespaces cannot be made at all; any other
+/// set-up failure fails the test.
 fn hosts(n: usize, rate: Option<&str>) -> Option<Hosts> {
-    match Hosts::new(n, rate) {
-        Ok(h) => Some(h),
-        Err(e) => {
-            eprintln!(
-                "SKIPPED: network namespaces are not available here ({e}); run as root with iproute2"
-            );
-            None
-        }
+    static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let k = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = format!("fcprobe{}-{k}", std::process::id());
+    if let Err(e) = ip(&["netns", "add", &probe]) {
+        skip_notice(&format!(
+            "SKIPPED: network namespaces are not available here ({e}); the multi-host \
+             tests need root and iproute2"
+        ));
+        return None;
     }
+    let _ = ip(&["netns", "del", &probe]);
+    Some(Hosts::new(n, rate).unwrap_or_else(|e| panic!("setting up {n} hosts: {e}")))
+}
+
+/// Says loudly that a test is skipped. Written to the real stderr (not through
+/// `eprintln!`, which the test harness captures for passing tests), so it shows in CI logs.
+fn skip_notice(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
 }
 
 fn wait(children: Vec<Child>, limit: Duration) -> Vec<Output> {

@@ -29,10 +29,10 @@ fn python() -> Option<String> {
     if ok {
         Some(py)
     } else {
-        eprintln!(
+        skip_notice(&format!(
             "SKIPPED: {py} cannot import torch.distributed (set FERROCCL_TEST_PYTHON to a \
              Python with torch to run the PyTorch TCPStore compatibility tests)"
-        );
+        ));
         None
     }
 }
@@ -206,4 +206,11 @@ fn ferroccl_client_talks_to_torch_server() {
         "{rest}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Says loudly that a test is skipped. Written to the real stderr (not through
+/// `eprintln!`, which the test harness captures for passing tests), so it shows in CI logs.
+fn skip_notice(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
 }
