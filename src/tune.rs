@@ -7,6 +7,9 @@
 //!
 //! - **ring**: 2(n−1) steps of `S/n` bytes each, paced by the slowest link of the ring
 //!   (the network when `h > 1`): `2(n−1)·α + 2(n−1)/n · S/β`;
+//! - **one-shot** (two ranks): each sends its whole buffer to the other, `α + S/β`,
+//!   plus the extra local reduction of the half the ring would have left to the peer,
+//!   `S/β_local`;
 //! - **tree** (double binary tree over hosts, chain inside): the data goes up and comes
 //!   back down, `d = ⌈log₂ h⌉` network levels and `k−1` chain links each way, pipelined
 //!   in chunks so the bandwidth term is paid about twice over the network:
@@ -120,6 +123,9 @@ impl CostModel {
             self.local
         };
         match algo {
+            Algorithm::OneShot if shape.ranks != 2 => f64::INFINITY,
+            // One hand-off, but each rank reduces the whole buffer instead of half of it.
+            Algorithm::OneShot => slow.alpha + s / slow.beta + s / self.local.beta,
             Algorithm::Ring => 2.0 * (n - 1.0) * slow.alpha + 2.0 * (n - 1.0) / n * s / slow.beta,
             Algorithm::Tree => {
                 let levels = (shape.hosts.max(1) as f64).log2().ceil();
@@ -144,6 +150,7 @@ impl CostModel {
             self.local
         };
         match algo {
+            Algorithm::OneShot => f64::INFINITY,
             Algorithm::Ring => (shape.ranks as f64 - 1.0) * slow.alpha + s / slow.beta,
             Algorithm::Tree => {
                 let levels = (shape.hosts.max(1) as f64).log2().ceil();
@@ -153,26 +160,24 @@ impl CostModel {
         }
     }
 
+    /// The fastest of `allowed` for a broadcast of `bytes` (ring if none applies).
+    pub fn best_broadcast(&self, bytes: usize, shape: Shape, allowed: &[Algorithm]) -> Algorithm {
+        best(allowed, |a| self.broadcast(a, bytes, shape))
+    }
+
+    /// The fastest of `allowed` for an all-reduce of `bytes` (ring if none applies).
+    pub fn best_all_reduce(&self, bytes: usize, shape: Shape, allowed: &[Algorithm]) -> Algorithm {
+        best(allowed, |a| self.all_reduce(a, bytes, shape))
+    }
+
     /// The faster of ring and tree for a broadcast of `bytes`.
     pub fn choose_broadcast(&self, bytes: usize, shape: Shape) -> Algorithm {
-        let ring = self.broadcast(Algorithm::Ring, bytes, shape);
-        let tree = self.broadcast(Algorithm::Tree, bytes, shape);
-        if tree < ring {
-            Algorithm::Tree
-        } else {
-            Algorithm::Ring
-        }
+        self.best_broadcast(bytes, shape, &[Algorithm::Ring, Algorithm::Tree])
     }
 
     /// The faster of ring and tree for an all-reduce of `bytes`.
     pub fn choose(&self, bytes: usize, shape: Shape) -> Algorithm {
-        let ring = self.all_reduce(Algorithm::Ring, bytes, shape);
-        let tree = self.all_reduce(Algorithm::Tree, bytes, shape);
-        if tree < ring {
-            Algorithm::Tree
-        } else {
-            Algorithm::Ring
-        }
+        self.best_all_reduce(bytes, shape, &[Algorithm::Ring, Algorithm::Tree])
     }
 
     /// The size below which the tree is faster, if there is one.
@@ -191,6 +196,20 @@ impl CostModel {
         }
         Some(hi)
     }
+}
+
+/// The algorithm of `allowed` with the smallest finite `cost`, ties to the earlier one;
+/// the ring when none is finite.
+fn best(allowed: &[Algorithm], cost: impl Fn(Algorithm) -> f64) -> Algorithm {
+    allowed
+        .iter()
+        .map(|&a| (a, cost(a)))
+        .filter(|(_, c)| c.is_finite())
+        .fold(None, |acc: Option<(Algorithm, f64)>, (a, c)| match acc {
+            Some((_, best)) if best <= c => acc,
+            _ => Some((a, c)),
+        })
+        .map_or(Algorithm::Ring, |(a, _)| a)
 }
 
 #[cfg(test)]
@@ -229,6 +248,29 @@ mod tests {
             ranks_per_host: 1,
         };
         assert!(m.crossover(many).unwrap() > x);
+    }
+
+    #[test]
+    fn one_shot_is_for_two_ranks() {
+        let m = CostModel::default();
+        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
+        let two = Shape {
+            ranks: 2,
+            hosts: 1,
+            ranks_per_host: 2,
+        };
+        assert_eq!(m.best_all_reduce(8, two, &all), Algorithm::OneShot);
+        let four = Shape {
+            ranks: 4,
+            hosts: 1,
+            ranks_per_host: 4,
+        };
+        assert_eq!(m.best_all_reduce(8, four, &all), Algorithm::Ring);
+        assert_eq!(
+            m.best_all_reduce(8, four, &[Algorithm::OneShot]),
+            Algorithm::Ring
+        );
+        assert_eq!(m.best_broadcast(8, two, &all), Algorithm::Ring);
     }
 
     #[test]

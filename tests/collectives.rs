@@ -147,7 +147,7 @@ fn eight_ranks() {
 fn tree_all_reduce_and_broadcast_on_every_rank_count() {
     for n in 2..=8 {
         let mut config = config(1 + n % 2);
-        config.algorithm = Some(ferroccl::plan::Algorithm::Tree);
+        config.algorithms = vec![ferroccl::plan::Algorithm::Tree];
         let comms = Communicator::init_all_with(n, config).unwrap();
         let mut calls = Vec::new();
         for dtype in DataType::ALL {

@@ -21,7 +21,7 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
-/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, lists, `^` to exclude | `algorithm` | chosen per call by [`crate::tune`] |
+/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
@@ -40,8 +40,9 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
-    /// The all-reduce algorithm; `None` lets the cost model choose per call.
-    pub algorithm: Option<Algorithm>,
+    /// The algorithms the cost model may choose from for all-reduce and broadcast (one
+    /// to force it).
+    pub algorithms: Vec<Algorithm>,
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
@@ -60,7 +61,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: slots / 2 * slot_bytes,
             transport: TransportChoice::Auto,
-            algorithm: None,
+            algorithms: ALL_ALGORITHMS.to_vec(),
             link_timeout: Duration::from_secs(30),
             bootstrap: BootstrapOptions::default(),
         }
@@ -118,7 +119,7 @@ impl CommConfig {
         }
         for var in ["FERROCCL_ALGO", "NCCL_ALGO"] {
             if let Ok(list) = std::env::var(var) {
-                c.algorithm = parse_algorithms(var, &list)?;
+                c.algorithms = parse_algorithms(var, &list)?;
                 break;
             }
         }
@@ -171,12 +172,15 @@ impl CommConfig {
     }
 }
 
-/// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`):
-/// the one algorithm it allows, or `None` when it allows both (the cost model then
-/// chooses per call). NCCL's algorithms that ferroccl does not have (`collnet*`,
-/// `nvls*`, `pat`) are accepted and ignored, so an `NCCL_ALGO` meant for NCCL still
-/// works; anything else is an error naming it.
-pub fn parse_algorithms(var: &str, list: &str) -> Result<Option<Algorithm>> {
+/// Every algorithm ferroccl has.
+pub const ALL_ALGORITHMS: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
+
+/// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`;
+/// ferroccl also has `oneshot`): the algorithms the cost model may choose from. NCCL's
+/// algorithms that ferroccl does not have (`collnet*`, `nvls*`, `pat`) are accepted and
+/// ignored, so an `NCCL_ALGO` meant for NCCL still works; anything else is an error
+/// naming it.
+pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
     let (exclude, body) = match list.trim().strip_prefix('^') {
         Some(rest) => (true, rest),
         None => (false, list.trim()),
@@ -186,27 +190,29 @@ pub fn parse_algorithms(var: &str, list: &str) -> Result<Option<Algorithm>> {
         match word.to_ascii_lowercase().as_str() {
             "ring" => named.push(Algorithm::Ring),
             "tree" => named.push(Algorithm::Tree),
+            "oneshot" | "one-shot" | "one_shot" => named.push(Algorithm::OneShot),
             w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => {}
             _ => {
                 return Err(Error::Env {
                     var: var.into(),
-                    detail: format!("unknown algorithm {word:?} (ferroccl has ring and tree)"),
+                    detail: format!(
+                        "unknown algorithm {word:?} (ferroccl has ring, tree and oneshot)"
+                    ),
                 });
             }
         }
     }
-    let allowed: Vec<Algorithm> = [Algorithm::Ring, Algorithm::Tree]
+    let allowed: Vec<Algorithm> = ALL_ALGORITHMS
         .into_iter()
         .filter(|a| named.contains(a) != exclude)
         .collect();
-    match allowed.as_slice() {
-        [] => Err(Error::Env {
+    if allowed.is_empty() {
+        return Err(Error::Env {
             var: var.into(),
-            detail: format!("{list:?} leaves no algorithm (ferroccl has ring and tree)"),
-        }),
-        [only] => Ok(Some(*only)),
-        _ => Ok(None),
+            detail: format!("{list:?} leaves no algorithm (ferroccl has ring, tree and oneshot)"),
+        });
     }
+    Ok(allowed)
 }
 
 #[cfg(test)]
@@ -215,21 +221,15 @@ mod tests {
 
     #[test]
     fn algorithm_lists_follow_nccl_syntax() {
-        assert_eq!(
-            parse_algorithms("X", "tree").unwrap(),
-            Some(Algorithm::Tree)
-        );
-        assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), None);
-        assert_eq!(
-            parse_algorithms("X", "^ring").unwrap(),
-            Some(Algorithm::Tree)
-        );
-        assert_eq!(
-            parse_algorithms("X", "nvls,tree").unwrap(),
-            Some(Algorithm::Tree)
-        );
-        assert_eq!(parse_algorithms("X", "^nvls").unwrap(), None);
-        let err = parse_algorithms("X", "^ring,tree").unwrap_err().to_string();
+        use Algorithm::*;
+        assert_eq!(parse_algorithms("X", "tree").unwrap(), [Tree]);
+        assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), [Ring, Tree]);
+        assert_eq!(parse_algorithms("X", "^ring").unwrap(), [Tree, OneShot]);
+        assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), [Tree]);
+        assert_eq!(parse_algorithms("X", "^nvls").unwrap(), ALL_ALGORITHMS);
+        let err = parse_algorithms("X", "^ring,tree,oneshot")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("leaves no algorithm"), "{err}");
         let err = parse_algorithms("X", "butterfly").unwrap_err().to_string();
         assert!(err.contains("butterfly"), "{err}");

@@ -187,7 +187,7 @@ impl Communicator {
         let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
             chunk_elems: (config.chunk_bytes / elem).max(1),
             rings: rings.clone(),
-            algorithm: config.algorithm.unwrap_or_default(),
+            algorithm: Algorithm::Ring,
             hosts: hosts.clone(),
         });
         let shape = Shape {
@@ -745,15 +745,10 @@ impl Communicator {
     /// `FERROCCL_ALGO` forces, or the cost model's choice. (All-reduce and broadcast
     /// have a choice; the others use their one algorithm, reported as ring.)
     pub fn algorithm_for(&self, collective: Collective, bytes: usize) -> Algorithm {
+        let allowed = &self.config.algorithms;
         let algorithm = match collective {
-            Collective::AllReduce => self
-                .config
-                .algorithm
-                .unwrap_or_else(|| self.model.choose(bytes, self.shape)),
-            Collective::Broadcast { .. } => self
-                .config
-                .algorithm
-                .unwrap_or_else(|| self.model.choose_broadcast(bytes, self.shape)),
+            Collective::AllReduce => self.model.best_all_reduce(bytes, self.shape, allowed),
+            Collective::Broadcast { .. } => self.model.best_broadcast(bytes, self.shape, allowed),
             _ => return Algorithm::Ring,
         };
         tracing::debug!(

@@ -468,6 +468,11 @@ pub enum Algorithm {
     /// inside each): about 2 log₂(hosts) + chain steps, each rank sends the buffer about
     /// twice — latency-friendly across many hosts.
     Tree,
+    /// Two ranks only: each sends its whole buffer to the other and adds what it
+    /// receives — one hand-off instead of the ring's two, the same bytes (other rank
+    /// counts use the ring). Both ranks get the same result, the two operands of the one
+    /// addition being the same.
+    OneShot,
 }
 
 impl Algorithm {
@@ -476,6 +481,7 @@ impl Algorithm {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
+            Algorithm::OneShot => "oneshot",
         }
     }
 }
@@ -733,13 +739,14 @@ pub fn plan(
     };
     let mut lanes = match collective {
         Collective::AllReduce => match options.algorithm {
-            Algorithm::Ring => b.ring_all_reduce(),
+            Algorithm::OneShot if nranks == 2 => b.one_shot_all_reduce(),
+            Algorithm::Ring | Algorithm::OneShot => b.ring_all_reduce(),
             Algorithm::Tree => b.tree_all_reduce(),
         },
         Collective::ReduceScatter => b.ring_reduce_scatter(),
         Collective::AllGather => b.ring_all_gather(),
         Collective::Broadcast { root } => match options.algorithm {
-            Algorithm::Ring => b.ring_broadcast(root),
+            Algorithm::Ring | Algorithm::OneShot => b.ring_broadcast(root),
             Algorithm::Tree => b.tree_broadcast(root),
         },
         Collective::Reduce { root } => b.ring_reduce(root),
@@ -974,6 +981,45 @@ impl Builder<'_> {
             }
         }
         lanes
+    }
+
+    /// One-shot all-reduce of two ranks: each chunk is sent to the peer whole, then the
+    /// peer's chunk is received and added to this rank's own. A chunk is always sent
+    /// before the same chunk of the output is written (in place, that is the input), and
+    /// the next chunk goes out before the previous one comes back, so one chunk is always
+    /// in flight each way.
+    fn one_shot_all_reduce(&self) -> Vec<Lane> {
+        let peer = 1 - self.rank;
+        (0..self.channels())
+            .map(|c| {
+                let chunks = self.block_chunks(c);
+                let mut steps = Vec::with_capacity(2 * chunks.len());
+                for (i, &(off, l)) in chunks.iter().enumerate() {
+                    steps.push(Step::Send {
+                        to: peer,
+                        src: Region::input(off, l),
+                    });
+                    if i > 0 {
+                        let (poff, pl) = chunks[i - 1];
+                        steps.push(Step::RecvReduceCopy {
+                            from: peer,
+                            src: Region::input(poff, pl),
+                            dst: Region::output(poff, pl),
+                            post: true,
+                        });
+                    }
+                }
+                if let Some(&(off, l)) = chunks.last() {
+                    steps.push(Step::RecvReduceCopy {
+                        from: peer,
+                        src: Region::input(off, l),
+                        dst: Region::output(off, l),
+                        post: true,
+                    });
+                }
+                lane(c, steps)
+            })
+            .collect()
     }
 
     /// Tree broadcast: the root's data flows down tree 0 re-rooted at the root, chunk by

@@ -401,3 +401,21 @@ fn tree_broadcast_matches_the_reference_from_every_root() {
         }
     }
 }
+
+#[test]
+fn one_shot_all_reduce_matches_the_reference() {
+    for channels in [1, 2] {
+        for chunk in [1usize, 3, 1000] {
+            let options =
+                PlanOptions::with_channels(2, channels, chunk).with_algorithm(Algorithm::OneShot);
+            for count in [0usize, 1, 2, 7, 64, 1023] {
+                for in_place in [false, true] {
+                    check(Collective::AllReduce, count, 2, &options, in_place);
+                }
+            }
+        }
+    }
+    // Other rank counts fall back to the ring.
+    let options = PlanOptions::with_channels(3, 1, 4).with_algorithm(Algorithm::OneShot);
+    check(Collective::AllReduce, 10, 3, &options, true);
+}
