@@ -110,6 +110,22 @@ impl CostModel {
         Ok(m)
     }
 
+    /// The link that paces a ring: the network as soon as there are two hosts.
+    fn slowest(&self, shape: Shape) -> LinkCost {
+        if shape.hosts > 1 {
+            self.net
+        } else {
+            self.local
+        }
+    }
+
+    /// One pass down (or up) the tree: ⌈log₂ hosts⌉ network levels and the host chain.
+    fn tree_pass(&self, shape: Shape) -> f64 {
+        let levels = (shape.hosts.max(1) as f64).log2().ceil();
+        let chain = shape.ranks_per_host.max(1) as f64 - 1.0;
+        levels * self.net.alpha + chain * self.local.alpha
+    }
+
     /// Predicted seconds for an all-reduce of `bytes` with `algo`.
     pub fn all_reduce(&self, algo: Algorithm, bytes: usize, shape: Shape) -> f64 {
         let n = shape.ranks.max(1) as f64;
@@ -117,22 +133,13 @@ impl CostModel {
             return 0.0;
         }
         let s = bytes as f64;
-        let slow = if shape.hosts > 1 {
-            self.net
-        } else {
-            self.local
-        };
+        let slow = self.slowest(shape);
         match algo {
             Algorithm::OneShot if shape.ranks != 2 => f64::INFINITY,
             // One hand-off, but each rank reduces the whole buffer instead of half of it.
             Algorithm::OneShot => slow.alpha + s / slow.beta + s / self.local.beta,
             Algorithm::Ring => 2.0 * (n - 1.0) * slow.alpha + 2.0 * (n - 1.0) / n * s / slow.beta,
-            Algorithm::Tree => {
-                let levels = (shape.hosts.max(1) as f64).log2().ceil();
-                let chain = shape.ranks_per_host.max(1) as f64 - 1.0;
-                let latency = 2.0 * (levels * self.net.alpha + chain * self.local.alpha);
-                latency + 2.0 * s / slow.beta
-            }
+            Algorithm::Tree => 2.0 * self.tree_pass(shape) + 2.0 * s / slow.beta,
         }
     }
 
@@ -144,19 +151,11 @@ impl CostModel {
             return 0.0;
         }
         let s = bytes as f64;
-        let slow = if shape.hosts > 1 {
-            self.net
-        } else {
-            self.local
-        };
+        let slow = self.slowest(shape);
         match algo {
             Algorithm::OneShot => f64::INFINITY,
             Algorithm::Ring => (shape.ranks as f64 - 1.0) * slow.alpha + s / slow.beta,
-            Algorithm::Tree => {
-                let levels = (shape.hosts.max(1) as f64).log2().ceil();
-                let chain = shape.ranks_per_host.max(1) as f64 - 1.0;
-                levels * self.net.alpha + chain * self.local.alpha + 2.0 * s / slow.beta
-            }
+            Algorithm::Tree => self.tree_pass(shape) + 2.0 * s / slow.beta,
         }
     }
 
