@@ -784,6 +784,40 @@ fn lane(channel: usize, steps: Vec<Step>) -> Lane {
     Lane { channel, steps }
 }
 
+/// One chunk's way down a tree, for the rank with `parent` and `kids`: the root takes
+/// it from `root_src` (copying it into `out` when that is elsewhere) and sends it to its
+/// children; every other rank receives it into `out` from its parent and forwards it to
+/// its first child, then sends it from `out` to the others.
+fn tree_down(parent: Option<usize>, kids: &[usize], root_src: Region, out: Region) -> Vec<Step> {
+    let Some((&first, rest)) = kids.split_first() else {
+        return vec![match parent {
+            Some(p) => Step::Recv { from: p, dst: out },
+            None => Step::Copy {
+                src: root_src,
+                dst: out,
+            },
+        }];
+    };
+    let mut steps = vec![match parent {
+        Some(p) => Step::RecvCopySend {
+            from: p,
+            to: first,
+            dst: out,
+        },
+        None if root_src == out => Step::Send {
+            to: first,
+            src: out,
+        },
+        None => Step::CopySend {
+            to: first,
+            src: root_src,
+            dst: out,
+        },
+    }];
+    steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
+    steps
+}
+
 /// A lane of channel 0 with a single step.
 fn one(step: Step) -> Lane {
     lane(0, vec![step])
@@ -951,21 +985,8 @@ impl Builder<'_> {
                         },
                     });
                 }
-                let mut down_steps = Vec::new();
-                match (parent, kids.split_first()) {
-                    (None, _) => {
-                        down_steps.extend(kids.iter().map(|&k| Step::Send { to: k, src: out }))
-                    }
-                    (Some(p), None) => down_steps.push(Step::Recv { from: p, dst: out }),
-                    (Some(p), Some((&first, rest))) => {
-                        down_steps.push(Step::RecvCopySend {
-                            from: p,
-                            to: first,
-                            dst: out,
-                        });
-                        down_steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
-                    }
-                }
+                // The root sends what it just completed in its output buffer.
+                let down_steps = tree_down(parent, kids, out, out);
                 if parent.is_none() {
                     root_lane.extend(up_steps);
                     root_lane.extend(down_steps);
@@ -1032,26 +1053,7 @@ impl Builder<'_> {
                 let mut steps = Vec::new();
                 for (off, l) in self.block_chunks(c) {
                     let (inp, out) = (Region::input(off, l), Region::output(off, l));
-                    match (parent, kids.split_first()) {
-                        (None, None) => steps.push(Step::Copy { src: inp, dst: out }),
-                        (None, Some((&first, rest))) => {
-                            steps.push(Step::CopySend {
-                                to: first,
-                                src: inp,
-                                dst: out,
-                            });
-                            steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
-                        }
-                        (Some(p), None) => steps.push(Step::Recv { from: p, dst: out }),
-                        (Some(p), Some((&first, rest))) => {
-                            steps.push(Step::RecvCopySend {
-                                from: p,
-                                to: first,
-                                dst: out,
-                            });
-                            steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
-                        }
-                    }
+                    steps.extend(tree_down(parent, kids, inp, out));
                 }
                 lane(c, steps)
             })
