@@ -31,11 +31,14 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, TestFn); 7] = [
+    let tests: [(&str, TestFn); 8] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
         ("grid_on_seven_processes", || grid_on_processes(7, Net::Shm)),
         ("grid_on_three_processes_over_tcp", || {
             grid_on_processes(3, Net::Tcp)
+        }),
+        ("grid_on_three_processes_over_striped_tcp", || {
+            grid_on_processes(3, Net::TcpStriped)
         }),
         ("grid_on_two_hosts_of_two_processes", || {
             grid_on_processes(4, Net::TwoHosts)
@@ -83,12 +86,14 @@ fn main() -> ExitCode {
 /// A test: `Err` carries the failure message.
 type TestFn = fn() -> Result<(), String>;
 
+/// The settings of a child rank: small slots, so counts span many of them, over what
+/// the parent set in the environment (transport, algorithm, channels, sockets).
 fn config() -> CommConfig {
     CommConfig {
         timeout: Duration::from_secs(60),
         slot_bytes: 16 << 10,
         chunk_bytes: 4 * (16 << 10),
-        ..CommConfig::default()
+        ..CommConfig::from_env().expect("the FERROCCL_* variables the test set")
     }
 }
 
@@ -99,6 +104,8 @@ enum Net {
     Shm,
     /// One host, TCP forced between every pair.
     Tcp,
+    /// As `Tcp`, each link striped over 2 helper threads × 2 sockets.
+    TcpStriped,
     /// Two hosts (by `FERROCCL_HOSTID`), half the ranks on each: shared memory inside,
     /// TCP across.
     TwoHosts,
@@ -112,13 +119,29 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
     (0..n)
         .map(|rank| {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.env_remove("FERROCCL_TRANSPORT")
-                .env_remove("FERROCCL_HOSTID")
-                .env("FERROCCL_SOCKET_IFNAME", "=lo");
+            for var in [
+                "FERROCCL_TRANSPORT",
+                "FERROCCL_HOSTID",
+                "FERROCCL_ALGO",
+                "NCCL_ALGO",
+                "FERROCCL_NCHANNELS",
+                "NCCL_NCHANNELS",
+                "FERROCCL_SOCKET_NTHREADS",
+                "FERROCCL_NSOCKS_PERTHREAD",
+            ] {
+                cmd.env_remove(var);
+            }
+            cmd.env("FERROCCL_SOCKET_IFNAME", "=lo");
             match net {
                 Net::Shm => {}
                 Net::Tcp => {
                     cmd.env("FERROCCL_TRANSPORT", "tcp");
+                }
+                Net::TcpStriped => {
+                    cmd.env("FERROCCL_TRANSPORT", "tcp")
+                        .env("FERROCCL_DEBUG", "INFO")
+                        .env("FERROCCL_SOCKET_NTHREADS", "2")
+                        .env("FERROCCL_NSOCKS_PERTHREAD", "2");
                 }
                 Net::TwoHosts => {
                     cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
@@ -174,6 +197,11 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
     for (rank, (code, out, err)) in outs.iter().enumerate() {
         if *code != 0 || !out.contains("checks passed") {
             return Err(format!("rank {rank} exited {code}:\n{out}\n{err}"));
+        }
+        // The transport log line shows the links really are striped TCP.
+        let striped = format!("{} links of 2 threads x 2 sockets", 2 * (n - 1));
+        if net == Net::TcpStriped && !(err.contains("via TCP") && err.contains(&striped)) {
+            return Err(format!("rank {rank} did not log {striped:?}:\n{err}"));
         }
     }
     Ok(())
@@ -238,6 +266,7 @@ fn killed_rank_is_named(net: Net) -> Result<(), String> {
 
 /// A rank process.
 fn child(role: &str) -> u8 {
+    ferroccl::trace::init_from_env();
     let var = |k: &str| std::env::var(k).unwrap();
     let id: UniqueId = var("FERROCCL_TEST_ID").parse().unwrap();
     let rank: usize = var("FERROCCL_TEST_RANK").parse().unwrap();

@@ -5,8 +5,8 @@ use std::time::Duration;
 use crate::bootstrap::BootstrapOptions;
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
-use crate::transport::TransportChoice;
 use crate::transport::fifo::Geometry;
+use crate::transport::{Striping, TransportChoice};
 
 /// Settings of a [`Communicator`](super::Communicator).
 ///
@@ -23,6 +23,8 @@ use crate::transport::fifo::Geometry;
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
+/// | `FERROCCL_SOCKET_NTHREADS` (`NCCL_SOCKET_NTHREADS`) | `striping.threads` per TCP link | 1 |
+/// | `FERROCCL_NSOCKS_PERTHREAD` (`NCCL_NSOCKS_PERTHREAD`) | `striping.sockets_per_thread` | 1 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -46,6 +48,8 @@ pub struct CommConfig {
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
+    /// Sockets and helper threads per TCP link (their product at most 64, as NCCL).
+    pub striping: Striping,
     /// Rendezvous settings.
     pub bootstrap: BootstrapOptions,
 }
@@ -63,6 +67,7 @@ impl Default for CommConfig {
             transport: TransportChoice::Auto,
             algorithms: ALL_ALGORITHMS.to_vec(),
             link_timeout: Duration::from_secs(30),
+            striping: Striping::default(),
             bootstrap: BootstrapOptions::default(),
         }
     }
@@ -100,6 +105,12 @@ impl CommConfig {
         }
         if let Some(v) = env_number(&["FERROCCL_LINK_TIMEOUT"])? {
             c.link_timeout = Duration::from_secs_f64(v);
+        }
+        if let Some(v) = env_number(&["FERROCCL_SOCKET_NTHREADS", "NCCL_SOCKET_NTHREADS"])? {
+            c.striping.threads = v as usize;
+        }
+        if let Some(v) = env_number(&["FERROCCL_NSOCKS_PERTHREAD", "NCCL_NSOCKS_PERTHREAD"])? {
+            c.striping.sockets_per_thread = v as usize;
         }
         if let Some(v) = env_number(&["FERROCCL_NCHANNELS", "NCCL_NCHANNELS"])? {
             c.channels = v as usize;
@@ -151,6 +162,7 @@ impl CommConfig {
     /// Checks that the settings make sense together.
     pub fn validate(&self) -> Result<()> {
         self.geometry().validate()?;
+        self.striping.validate()?;
         if self.channels == 0 || self.channels > 64 {
             return Err(Error::invalid(format!(
                 "{} channels: use 1 to 64",

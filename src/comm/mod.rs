@@ -181,6 +181,7 @@ impl Communicator {
                 choice: config.transport,
                 connect_timeout: config.bootstrap.timeout,
                 link_timeout: config.link_timeout,
+                striping: config.striping,
             },
         )?;
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);

@@ -139,8 +139,13 @@ pub unsafe fn execute(
         let mut progressed = false;
         for (li, lane) in plan.lanes.iter().enumerate() {
             // SAFETY: as above.
-            progressed |=
-                unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns)? };
+            match unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns) } {
+                Ok(p) => progressed |= p,
+                Err(e) => {
+                    conns.bell().cancel_sleep();
+                    return Err(e);
+                }
+            }
         }
         if progressed {
             conns.bell().cancel_sleep();

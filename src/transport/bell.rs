@@ -75,7 +75,7 @@ impl Bell {
     /// owner must look at its FIFOs once more after this and before [`Bell::sleep`].
     pub fn prepare_sleep(&self) -> u32 {
         let seq = self.word(SEQ).load(Ordering::SeqCst);
-        self.word(SLEEPING).store(1, Ordering::SeqCst);
+        self.word(SLEEPING).fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         seq
     }
@@ -83,12 +83,12 @@ impl Bell {
     /// The owner sleeps until rung (or `timeout`), unless it was rung since `seq`.
     pub fn sleep(&self, seq: u32, timeout: Duration) {
         futex_wait(self.word(SEQ), seq, timeout);
-        self.word(SLEEPING).store(0, Ordering::Relaxed);
+        self.word(SLEEPING).fetch_sub(1, Ordering::Relaxed);
     }
 
     /// The owner decided not to sleep after [`Bell::prepare_sleep`].
     pub fn cancel_sleep(&self) {
-        self.word(SLEEPING).store(0, Ordering::Relaxed);
+        self.word(SLEEPING).fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Marks the owner's communicator closed, then wakes the owner (if it sleeps) so
@@ -140,9 +140,9 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 fn futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE on a valid, aligned 32-bit word; wakes at most one waiter.
+    // SAFETY: FUTEX_WAKE on a valid, aligned 32-bit word; wakes every waiter.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1);
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
     }
 }
 

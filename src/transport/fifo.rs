@@ -186,6 +186,21 @@ impl SendEnd {
         Some(self.shared.slot_ptr(self.head))
     }
 
+    /// Like [`SendEnd::try_reserve`] for the slot `ahead` places after the next one to
+    /// publish, so several writers can fill slots at once; they are still published in
+    /// order by [`SendEnd::commit`].
+    pub fn try_reserve_ahead(&mut self, ahead: u32) -> Option<*mut u8> {
+        let slots = self.shared.geometry.slots as u32;
+        let wanted = self.head.wrapping_add(ahead);
+        if wanted.wrapping_sub(self.tail_seen) >= slots {
+            self.tail_seen = self.shared.tail().load(Ordering::Acquire);
+            if wanted.wrapping_sub(self.tail_seen) >= slots {
+                return None;
+            }
+        }
+        Some(self.shared.slot_ptr(wanted))
+    }
+
     /// Publishes the reserved slot holding `len` bytes.
     pub fn commit(&mut self, len: usize) {
         debug_assert!(len <= self.slot_bytes());
@@ -216,6 +231,21 @@ impl RecvEnd {
         let slot = self.tail as usize % self.shared.geometry.slots;
         let len = self.shared.size_of(slot).load(Ordering::Relaxed) as usize;
         Some((self.shared.slot_ptr(self.tail), len))
+    }
+
+    /// Like [`RecvEnd::try_peek`] for the slot `ahead` places after the oldest, so
+    /// several readers can work on slots at once; they are still released in order.
+    pub fn try_peek_ahead(&mut self, ahead: u32) -> Option<(*const u8, usize)> {
+        let wanted = self.tail.wrapping_add(ahead);
+        if self.head_seen.wrapping_sub(self.tail) <= ahead {
+            self.head_seen = self.shared.head().load(Ordering::Acquire);
+            if self.head_seen.wrapping_sub(self.tail) <= ahead {
+                return None;
+            }
+        }
+        let slot = wanted as usize % self.shared.geometry.slots;
+        let len = self.shared.size_of(slot).load(Ordering::Relaxed) as usize;
+        Some((self.shared.slot_ptr(wanted), len))
     }
 
     /// Hands the slot from [`RecvEnd::try_peek`] back to the sender.

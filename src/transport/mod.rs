@@ -29,6 +29,7 @@ use bell::{BELL_BYTES, Bell, Closed};
 use fifo::{Geometry, RecvEnd, SendEnd};
 use liveness::Liveness;
 use segment::{Segment, SegmentKind};
+pub use tcp::Striping;
 use tcp::{LinkState, TcpLink};
 
 use crate::bootstrap::{Bootstrap, netif};
@@ -62,6 +63,8 @@ pub struct TransportConfig {
     /// How long a TCP peer may stay silent (data unacknowledged, or keep-alive probes
     /// unanswered) before its connection counts as broken.
     pub link_timeout: Duration,
+    /// Sockets and helper threads per TCP link.
+    pub striping: Striping,
 }
 
 /// A peer's state, as far as this rank can tell.
@@ -268,30 +271,55 @@ impl Connections {
             }
         }
         let deadline = Instant::now() + config.connect_timeout;
-        let mut streams: Vec<(usize, usize, TcpStream)> = Vec::new();
+        let striping = config.striping;
+        let nsocks = striping.sockets();
+        // `[channel index][peer][socket]`.
+        let mut streams: Vec<Vec<Vec<Option<TcpStream>>>> = (0..=channels)
+            .map(|_| {
+                (0..nranks)
+                    .map(|_| (0..nsocks).map(|_| None).collect())
+                    .collect()
+            })
+            .collect();
         for &(ci, peer) in tcp_pairs.iter().filter(|(_, p)| *p > rank) {
-            let stream = tcp::connect(tcp_addr(peer)?, rank, ci, deadline)
-                .map_err(|e| Error::io(format!("connect to rank {peer} (channel {ci})"), e))?;
-            streams.push((ci, peer, stream));
-        }
-        let expected = tcp_pairs.iter().filter(|(_, p)| *p < rank).count();
-        if let Some(l) = &listener {
-            for (ci, peer, stream) in tcp::accept(l, expected, deadline, nranks, channels)
-                .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
-            {
-                if !tcp_pairs.contains(&(ci, peer)) || peer >= rank {
-                    return Err(Error::BootstrapData {
-                        rank: peer,
-                        detail: format!("unexpected TCP connection for channel {ci}"),
-                    });
-                }
-                streams.push((ci, peer, stream));
+            for (sock, cell) in streams[ci][peer].iter_mut().enumerate() {
+                let stream = tcp::connect(tcp_addr(peer)?, rank, ci, sock, striping, deadline)
+                    .map_err(|e| {
+                        Error::io(
+                            format!("connect to rank {peer} (channel {ci}, socket {sock})"),
+                            e,
+                        )
+                    })?;
+                *cell = Some(stream);
             }
         }
-        for (ci, peer, stream) in streams {
+        let expected = nsocks * tcp_pairs.iter().filter(|(_, p)| *p < rank).count();
+        if let Some(l) = &listener {
+            for a in tcp::accept(l, expected, deadline, nranks, channels, striping)
+                .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
+            {
+                let cell = &mut streams[a.channel][a.peer][a.socket];
+                if !tcp_pairs.contains(&(a.channel, a.peer)) || a.peer >= rank || cell.is_some() {
+                    return Err(Error::BootstrapData {
+                        rank: a.peer,
+                        detail: format!(
+                            "unexpected TCP connection for channel {}, socket {}",
+                            a.channel, a.socket
+                        ),
+                    });
+                }
+                *cell = Some(a.stream);
+            }
+        }
+        for &(ci, peer) in &tcp_pairs {
+            let socks: Vec<TcpStream> = streams[ci][peer]
+                .iter_mut()
+                .filter_map(Option::take)
+                .collect();
             let tag = format!("r{rank}-c{}-p{peer}", chan_name(ci));
             let (link, tx, rx) = TcpLink::start(
-                stream,
+                socks,
+                striping,
                 config.geometry,
                 proxy_view.clone(),
                 &tag,
@@ -328,11 +356,20 @@ impl Connections {
         drop(created);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let oversubscribed = boot.local_ranks().len() > cores;
-        tracing::debug!(
-            "rank {rank}: connected to {} peers over {channels} channel(s) ({} TCP \
-             connections), FIFOs of {} x {} B",
-            nranks - 1,
+        let via = |p: Path| -> Vec<usize> {
+            (0..nranks)
+                .filter(|&r| r != rank && path(rank, r) == p)
+                .collect()
+        };
+        tracing::info!(
+            "rank {rank}: peers {:?} via shared memory, {:?} in process, {:?} via TCP \
+             ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs of {} x {} B",
+            via(Path::Shm),
+            via(Path::InProcess),
+            via(Path::Tcp),
             tcp_pairs.len(),
+            striping.threads,
+            striping.sockets_per_thread,
             config.geometry.slots,
             config.geometry.slot_bytes
         );

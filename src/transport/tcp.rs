@@ -1,25 +1,31 @@
-//! The TCP transport: a FIFO on each side and two proxy threads that move slots across
-//! one socket, so the engine sees the same FIFOs as over shared memory.
+//! The TCP transport: a FIFO on each side and proxy threads that move slots across
+//! sockets, so the engine sees the same FIFOs as over shared memory.
 //!
 //! For each (channel, peer) pair that crosses hosts (or when `FERROCCL_TRANSPORT=tcp`)
-//! there is one TCP connection, used in both directions. On each side:
-//! - the *send proxy* takes the slots the engine committed to the local outgoing FIFO,
-//!   writes each as a frame (`kind: u32`, `value: u32`, then `value` bytes), and hands the
-//!   slot back;
-//! - the *receive proxy* reads frames into slots of the local incoming FIFO and commits
-//!   them.
+//! there is one *link*: `threads × sockets_per_thread` TCP connections used in both
+//! directions (NCCL's `NCCL_SOCKET_NTHREADS` × `NCCL_NSOCKS_PERTHREAD`, so a fast link
+//! is filled by several flows and several cores). Every slot is cut into one stripe per
+//! socket; socket `i` always carries stripe `i`, so the receiver knows where each stripe
+//! goes without telling it. On each side, every helper thread runs
+//! - a *send proxy* that takes the slots the engine committed to the local outgoing
+//!   FIFO and writes its stripes of each as frames (`kind: u32`, `value: u32` = the
+//!   slot's byte count, then the stripe), the slot being handed back once every thread
+//!   has sent its stripes;
+//! - a *receive proxy* that reads its stripes into slots of the local incoming FIFO,
+//!   the slot being committed once every thread has filled its stripes.
 //!
-//! Each proxy sleeps on a bell of its own that the engine rings after committing or
-//! releasing a slot on that connection, and rings the rank's bell after it moved one.
-//! A communicator that closes sends a `CLOSE` frame with its cause before shutting the
-//! socket (after sending what it had committed, when it closes normally), so the peer
-//! learns which rank failed first; end-of-file or a reset without one means the peer's
-//! process or link is gone.
+//! Proxies sleep on a bell of their link that the engine rings after committing or
+//! releasing a slot on it, and ring the rank's bell after they moved one.
+//! A communicator that closes sends a `CLOSE` frame with its cause on every socket
+//! before shutting it (after sending what it had committed, when it closes normally),
+//! so the peer learns which rank failed first; end-of-file or a reset without one means
+//! the peer's process or link is gone. A link counts as closed once every socket
+//! delivered its `CLOSE`, so data still in flight on one socket is never cut short.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -32,6 +38,61 @@ const FRAME_DATA: u32 = 0;
 const FRAME_CLOSE: u32 = 1;
 /// How long a closing send proxy keeps sending what the engine committed.
 const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+/// Most helper threads per link, and most sockets per link (NCCL's limits).
+pub const MAX_THREADS: usize = 16;
+/// Most sockets per link.
+pub const MAX_SOCKETS: usize = 64;
+
+/// How many sockets and helper threads carry one link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Striping {
+    /// Helper threads per link and direction (`FERROCCL_SOCKET_NTHREADS`).
+    pub threads: usize,
+    /// Sockets each helper thread drives (`FERROCCL_NSOCKS_PERTHREAD`).
+    pub sockets_per_thread: usize,
+}
+
+impl Default for Striping {
+    fn default() -> Self {
+        Striping {
+            threads: 1,
+            sockets_per_thread: 1,
+        }
+    }
+}
+
+impl Striping {
+    /// Sockets per link.
+    pub fn sockets(&self) -> usize {
+        self.threads * self.sockets_per_thread
+    }
+
+    /// Checks the shape against NCCL's limits.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_THREADS).contains(&self.threads) {
+            return Err(Error::invalid(format!(
+                "socket threads {} is not in 1..={MAX_THREADS}",
+                self.threads
+            )));
+        }
+        if self.sockets_per_thread == 0 || self.sockets() > MAX_SOCKETS {
+            return Err(Error::invalid(format!(
+                "{} threads x {} sockets per thread: need at least one socket and at most \
+                 {MAX_SOCKETS} in all",
+                self.threads, self.sockets_per_thread
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The byte range of stripe `i` of `n` in a slot of `len` bytes: equal 64-byte-aligned
+/// pieces, the last ones shorter or empty.
+pub fn stripe(len: usize, i: usize, n: usize) -> std::ops::Range<usize> {
+    let piece = len.div_ceil(n).next_multiple_of(64);
+    let start = (i * piece).min(len);
+    start..(start + piece).min(len)
+}
 
 /// What happened to a link, as the engine asks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +105,22 @@ pub enum LinkState {
     Broken(String),
 }
 
+/// The outgoing FIFO as the send proxies share it.
+struct Outgoing {
+    fifo: RecvEnd,
+    /// Slots handed back to the engine.
+    released: u64,
+}
+
+/// The incoming FIFO as the receive proxies share it.
+struct Incoming {
+    fifo: SendEnd,
+    /// Slots published to the engine.
+    committed: u64,
+    /// Byte count of each slot being filled, by slot number modulo the slot count.
+    lens: Vec<usize>,
+}
+
 /// Shared between a link's owner and its proxies.
 struct Shared {
     stop: AtomicBool,
@@ -54,22 +131,76 @@ struct Shared {
     state: Mutex<LinkState>,
     send_bell: Bell,
     recv_bell: Bell,
+    outgoing: Mutex<Outgoing>,
+    incoming: Mutex<Incoming>,
+    /// Per thread: slots it has sent its stripes of.
+    sent: Vec<AtomicU64>,
+    /// Per thread: slots it has received its stripes of.
+    received: Vec<AtomicU64>,
+    /// Receive proxies that read `CLOSE` on all their sockets, and the cause they read.
+    closed_threads: AtomicUsize,
+    peer_cause: AtomicU32,
+    striping: Striping,
+    /// Bytes per slot of the incoming FIFO.
+    slot_bytes: usize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
     fn set_state(&self, s: LinkState) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = lock(&self.state);
         if *st == LinkState::Up {
             *st = s;
         }
     }
+
+    /// Hands back every slot all send proxies are done with.
+    fn release_sent(&self, rank_bell: &Bell) {
+        let mut out = lock(&self.outgoing);
+        let done = self.sent.iter().map(|c| c.load(Ordering::Acquire)).min();
+        let mut moved = false;
+        while done.is_some_and(|d| d > out.released) {
+            out.fifo.release();
+            out.released += 1;
+            moved = true;
+        }
+        drop(out);
+        if moved {
+            rank_bell.ring();
+        }
+    }
+
+    /// Publishes every slot all receive proxies have filled.
+    fn commit_received(&self, rank_bell: &Bell) {
+        let mut inc = lock(&self.incoming);
+        let done = self
+            .received
+            .iter()
+            .map(|c| c.load(Ordering::Acquire))
+            .min();
+        let mut moved = false;
+        while done.is_some_and(|d| d > inc.committed) {
+            let len = inc.lens[(inc.committed % inc.lens.len() as u64) as usize];
+            inc.fifo.commit(len);
+            inc.committed += 1;
+            moved = true;
+        }
+        drop(inc);
+        if moved {
+            rank_bell.ring();
+        }
+    }
 }
 
-/// One TCP connection to a peer on one channel, with its proxies.
+/// One link to a peer on one channel: its sockets and proxies.
 pub struct TcpLink {
     shared: Arc<Shared>,
-    stream: TcpStream,
-    threads: Vec<JoinHandle<()>>,
+    streams: Vec<TcpStream>,
+    senders: Vec<JoinHandle<()>>,
+    receivers: Vec<JoinHandle<()>>,
 }
 
 fn private_bell(tag: &str) -> Result<Bell> {
@@ -107,22 +238,29 @@ fn local_fifo(geometry: Geometry, tag: &str) -> Result<(SendEnd, RecvEnd)> {
 }
 
 impl TcpLink {
-    /// Starts the proxies on a connected socket. Returns the link and the engine's ends:
-    /// the FIFO it sends into and the FIFO it receives from. `rank_bell` is a second
-    /// view of the rank's own bell (the proxies ring it).
+    /// Starts the proxies on connected sockets (`streams[i]` carries stripe `i`).
+    /// Returns the link and the engine's ends: the FIFO it sends into and the FIFO it
+    /// receives from. `rank_bell` is a second view of the rank's own bell (the proxies
+    /// ring it).
     pub fn start(
-        stream: TcpStream,
+        streams: Vec<TcpStream>,
+        striping: Striping,
         geometry: Geometry,
         rank_bell: Arc<Bell>,
         tag: &str,
         link_timeout: Duration,
     ) -> Result<(Self, SendEnd, RecvEnd)> {
-        stream
-            .set_nodelay(true)
-            .map_err(|e| Error::io("TCP_NODELAY", e))?;
-        set_link_timeout(&stream, link_timeout)?;
+        striping.validate()?;
+        assert_eq!(streams.len(), striping.sockets(), "one stream per socket");
+        for stream in &streams {
+            stream
+                .set_nodelay(true)
+                .map_err(|e| Error::io("TCP_NODELAY", e))?;
+            set_link_timeout(stream, link_timeout)?;
+        }
         let (engine_tx, proxy_rx) = local_fifo(geometry, tag)?;
         let (proxy_tx, engine_rx) = local_fifo(geometry, tag)?;
+        let threads = striping.threads;
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             close_cause: AtomicU32::new(0),
@@ -130,64 +268,76 @@ impl TcpLink {
             state: Mutex::new(LinkState::Up),
             send_bell: private_bell(tag)?,
             recv_bell: private_bell(tag)?,
+            outgoing: Mutex::new(Outgoing {
+                fifo: proxy_rx,
+                released: 0,
+            }),
+            incoming: Mutex::new(Incoming {
+                fifo: proxy_tx,
+                committed: 0,
+                lens: vec![0; geometry.slots],
+            }),
+            sent: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            received: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            closed_threads: AtomicUsize::new(0),
+            peer_cause: AtomicU32::new(0),
+            striping,
+            slot_bytes: geometry.slot_bytes,
         });
-        let writer = stream
-            .try_clone()
-            .map_err(|e| Error::io("clone socket", e))?;
-        let reader = stream
-            .try_clone()
-            .map_err(|e| Error::io("clone socket", e))?;
-        let mut threads = Vec::new();
-        {
-            let (shared, bell) = (shared.clone(), rank_bell.clone());
-            threads.push(
+        let clones = |range: std::ops::Range<usize>| -> Result<Vec<TcpStream>> {
+            streams[range]
+                .iter()
+                .map(|s| s.try_clone().map_err(|e| Error::io("clone socket", e)))
+                .collect()
+        };
+        let mut link = TcpLink {
+            shared: shared.clone(),
+            streams: Vec::new(),
+            senders: Vec::new(),
+            receivers: Vec::new(),
+        };
+        let per = striping.sockets_per_thread;
+        for t in 0..threads {
+            let (writers, readers) = (
+                clones(t * per..(t + 1) * per)?,
+                clones(t * per..(t + 1) * per)?,
+            );
+            let (sh, bell) = (shared.clone(), rank_bell.clone());
+            link.senders.push(
                 std::thread::Builder::new()
-                    .name(format!("ferroccl-tx-{tag}"))
-                    .spawn(move || send_proxy(writer, proxy_rx, &shared, &bell))
+                    .name(format!("ferroccl-tx{t}-{tag}"))
+                    .spawn(move || send_proxy(t, writers, &sh, &bell))
                     .map_err(|e| Error::io("start a TCP send proxy", e))?,
             );
-        }
-        {
-            let (shared, bell) = (shared.clone(), rank_bell);
-            threads.push(
+            let (sh, bell) = (shared.clone(), rank_bell.clone());
+            link.receivers.push(
                 std::thread::Builder::new()
-                    .name(format!("ferroccl-rx-{tag}"))
-                    .spawn(move || recv_proxy(reader, proxy_tx, &shared, &bell))
+                    .name(format!("ferroccl-rx{t}-{tag}"))
+                    .spawn(move || recv_proxy(t, readers, &sh, &bell))
                     .map_err(|e| Error::io("start a TCP receive proxy", e))?,
             );
         }
-        Ok((
-            TcpLink {
-                shared,
-                stream,
-                threads,
-            },
-            engine_tx,
-            engine_rx,
-        ))
+        link.streams = streams;
+        Ok((link, engine_tx, engine_rx))
     }
 
-    /// Wakes the send proxy (the engine committed a slot).
+    /// Wakes the send proxies (the engine committed a slot).
     pub fn ring_send(&self) {
         self.shared.send_bell.ring();
     }
 
-    /// Wakes the receive proxy (the engine freed a slot).
+    /// Wakes the receive proxies (the engine freed a slot).
     pub fn ring_recv(&self) {
         self.shared.recv_bell.ring();
     }
 
     /// The link's state.
     pub fn state(&self) -> LinkState {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.shared.state).clone()
     }
 
     /// Closes this side: a normal close sends what was committed first; then a `CLOSE`
-    /// frame with the cause goes out and the socket is shut.
+    /// frame with the cause goes out on every socket and the sockets are shut.
     pub fn close(&mut self, why: Closed) {
         let cause = match why {
             Closed::PeerFailed(r) => r as u32 + 1,
@@ -208,16 +358,18 @@ impl Drop for TcpLink {
         if !self.shared.stop.load(Ordering::SeqCst) {
             self.close(Closed::ByOwner);
         }
-        // The send proxy sends CLOSE and shuts writing; wait for it (bounded by the
-        // drain limit), then cut the socket so the receive proxy ends too.
-        if let Some(tx) = self.threads.first() {
-            let start = Instant::now();
-            while !tx.is_finished() && start.elapsed() < DRAIN_LIMIT + Duration::from_secs(1) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+        // The send proxies send CLOSE and shut writing; wait for them (bounded by the
+        // drain limit), then cut the sockets so the receive proxies end too.
+        let start = Instant::now();
+        while !self.senders.iter().all(|t| t.is_finished())
+            && start.elapsed() < DRAIN_LIMIT + Duration::from_secs(1)
+        {
+            std::thread::sleep(Duration::from_millis(1));
         }
-        let _ = self.stream.shutdown(Shutdown::Both);
-        for t in self.threads.drain(..) {
+        for stream in &self.streams {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for t in self.senders.drain(..).chain(self.receivers.drain(..)) {
             if t.is_finished() {
                 let _ = t.join();
             }
@@ -296,42 +448,57 @@ fn frame(kind: u32, value: u32) -> [u8; 8] {
     h
 }
 
-/// Engine → socket.
-fn send_proxy(mut sock: TcpStream, mut fifo: RecvEnd, shared: &Shared, rank_bell: &Bell) {
+/// Engine → sockets: helper thread `t` sends its stripes of every slot.
+fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
+    let nsocks = shared.striping.sockets();
+    let first = t * shared.striping.sockets_per_thread;
     let mut drain_deadline: Option<Instant> = None;
+    let mut next: u64 = 0;
+    let peek = |next: u64| {
+        let mut out = lock(&shared.outgoing);
+        let ahead = (next - out.released) as u32;
+        out.fifo.try_peek_ahead(ahead)
+    };
     let outcome: io::Result<()> = (|| {
         loop {
-            if let Some((slot, len)) = fifo.try_peek() {
+            if let Some((slot, len)) = peek(next) {
                 if shared.abrupt.load(Ordering::SeqCst) {
                     break;
                 }
-                // SAFETY: the peeked slot holds `len` published bytes and stays ours
-                // until release.
-                let data = unsafe { std::slice::from_raw_parts(slot, len) };
-                write_frame(&mut sock, &frame(FRAME_DATA, len as u32), data)?;
-                fifo.release();
-                rank_bell.ring();
+                for (k, sock) in socks.iter_mut().enumerate() {
+                    let range = stripe(len, first + k, nsocks);
+                    // SAFETY: the peeked slot holds `len` published bytes and stays
+                    // readable until every send proxy has passed it (`release_sent`).
+                    let data =
+                        unsafe { std::slice::from_raw_parts(slot.add(range.start), range.len()) };
+                    write_frame(sock, &frame(FRAME_DATA, len as u32), data)?;
+                }
+                next += 1;
+                shared.sent[t].store(next, Ordering::Release);
+                shared.release_sent(rank_bell);
                 continue;
             }
             if shared.stop.load(Ordering::SeqCst) {
                 // Closing: the FIFO is empty now (or the close is abrupt).
                 let deadline = *drain_deadline.get_or_insert_with(|| Instant::now() + DRAIN_LIMIT);
-                if fifo.try_peek().is_none() || Instant::now() >= deadline {
+                if peek(next).is_none() || Instant::now() >= deadline {
                     break;
                 }
                 continue;
             }
             let seq = shared.send_bell.prepare_sleep();
-            if fifo.try_peek().is_some() || shared.stop.load(Ordering::SeqCst) {
+            if peek(next).is_some() || shared.stop.load(Ordering::SeqCst) {
                 shared.send_bell.cancel_sleep();
                 continue;
             }
             shared.send_bell.sleep(seq, Duration::from_millis(100));
         }
         let cause = shared.close_cause.load(Ordering::SeqCst);
-        sock.write_all(&frame(FRAME_CLOSE, cause))?;
-        sock.flush()?;
-        let _ = sock.shutdown(Shutdown::Write);
+        for sock in &mut socks {
+            sock.write_all(&frame(FRAME_CLOSE, cause))?;
+            sock.flush()?;
+            let _ = sock.shutdown(Shutdown::Write);
+        }
         Ok(())
     })();
     if let Err(e) = outcome
@@ -342,83 +509,158 @@ fn send_proxy(mut sock: TcpStream, mut fifo: RecvEnd, shared: &Shared, rank_bell
     }
 }
 
-/// Socket → engine.
-fn recv_proxy(mut sock: TcpStream, mut fifo: SendEnd, shared: &Shared, rank_bell: &Bell) {
-    let slot_bytes = fifo.slot_bytes();
-    let outcome: io::Result<LinkState> = (|| {
+/// Reads one frame header: `(kind, value)`.
+fn read_header(sock: &mut TcpStream) -> io::Result<(u32, u32)> {
+    let mut h = [0u8; 8];
+    sock.read_exact(&mut h)?;
+    Ok((
+        u32::from_le_bytes(h[..4].try_into().expect("4 bytes")),
+        u32::from_le_bytes(h[4..].try_into().expect("4 bytes")),
+    ))
+}
+
+/// What a receive proxy ended with.
+enum Ending {
+    /// This side is closing.
+    Stopped,
+    /// Every socket of the thread delivered `CLOSE` with this cause.
+    PeerClosed(u32),
+}
+
+/// Sockets → engine: helper thread `t` receives its stripes of every slot.
+fn recv_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
+    let nsocks = shared.striping.sockets();
+    let first = t * shared.striping.sockets_per_thread;
+    let outcome: io::Result<Ending> = (|| {
+        let mut next: u64 = 0;
         loop {
-            let mut h = [0u8; 8];
-            sock.read_exact(&mut h)?;
-            let kind = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
-            let value = u32::from_le_bytes(h[4..].try_into().expect("4 bytes"));
-            match kind {
-                FRAME_DATA if value as usize <= slot_bytes => {
-                    let slot = loop {
-                        if let Some(p) = fifo.try_reserve() {
-                            break p;
+            let mut slot: Option<*mut u8> = None;
+            for k in 0..socks.len() {
+                let (kind, value) = read_header(&mut socks[k])?;
+                match kind {
+                    FRAME_DATA if value as usize <= shared.slot_bytes => {
+                        let base = match slot {
+                            Some(p) => p,
+                            None => {
+                                let Some(p) = reserve(shared, next, value as usize) else {
+                                    return Ok(Ending::Stopped);
+                                };
+                                slot = Some(p);
+                                p
+                            }
+                        };
+                        let range = stripe(value as usize, first + k, nsocks);
+                        // SAFETY: the reserved slot has `slot_bytes >= value` bytes and
+                        // stays ours until every receive proxy filled its stripes of it;
+                        // the stripes of different sockets do not overlap.
+                        let buf = unsafe {
+                            std::slice::from_raw_parts_mut(base.add(range.start), range.len())
+                        };
+                        socks[k].read_exact(buf)?;
+                    }
+                    FRAME_CLOSE if slot.is_none() => {
+                        // The others of this thread's sockets close after the same slots.
+                        for sock in &mut socks[k + 1..] {
+                            if read_header(sock)? != (FRAME_CLOSE, value) {
+                                return Err(io::Error::new(
+                                    io::ErrorKind::InvalidData,
+                                    "sockets of one link closed after different slots",
+                                ));
+                            }
                         }
-                        if shared.stop.load(Ordering::SeqCst) {
-                            return Ok(LinkState::Up);
-                        }
-                        let seq = shared.recv_bell.prepare_sleep();
-                        if let Some(p) = fifo.try_reserve() {
-                            shared.recv_bell.cancel_sleep();
-                            break p;
-                        }
-                        shared.recv_bell.sleep(seq, Duration::from_millis(100));
-                    };
-                    // SAFETY: the reserved slot has `slot_bytes >= value` bytes and is ours
-                    // until commit.
-                    let buf = unsafe { std::slice::from_raw_parts_mut(slot, value as usize) };
-                    sock.read_exact(buf)?;
-                    fifo.commit(value as usize);
-                    rank_bell.ring();
-                }
-                FRAME_CLOSE => {
-                    return Ok(LinkState::Closed(match value {
-                        0 => Closed::ByOwner,
-                        r => Closed::PeerFailed(r as usize - 1),
-                    }));
-                }
-                _ => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("bad frame (kind {kind}, value {value})"),
-                    ));
+                        return Ok(Ending::PeerClosed(value));
+                    }
+                    _ => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!(
+                                "bad frame (kind {kind}, value {value}) on socket {}",
+                                first + k
+                            ),
+                        ));
+                    }
                 }
             }
+            next += 1;
+            shared.received[t].store(next, Ordering::Release);
+            shared.commit_received(rank_bell);
         }
     })();
     if shared.stop.load(Ordering::SeqCst) {
         return;
     }
     let state = match outcome {
-        Ok(s) => s,
+        Ok(Ending::Stopped) => return,
+        Ok(Ending::PeerClosed(cause)) => {
+            shared.peer_cause.store(cause, Ordering::SeqCst);
+            if shared.closed_threads.fetch_add(1, Ordering::SeqCst) + 1 < shared.striping.threads {
+                return;
+            }
+            LinkState::Closed(match shared.peer_cause.load(Ordering::SeqCst) {
+                0 => Closed::ByOwner,
+                r => Closed::PeerFailed(r as usize - 1),
+            })
+        }
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
             LinkState::Broken("the connection was closed without a goodbye".into())
         }
         Err(e) => LinkState::Broken(format!("the connection failed: {e}")),
     };
-    if state != LinkState::Up {
-        shared.set_state(state);
-        rank_bell.ring_always();
+    shared.set_state(state);
+    rank_bell.ring_always();
+}
+
+/// Waits for slot number `next` of the incoming FIFO to be free and notes its byte
+/// count; `None` if this side closes meanwhile.
+fn reserve(shared: &Shared, next: u64, len: usize) -> Option<*mut u8> {
+    let try_once = || {
+        let mut inc = lock(&shared.incoming);
+        let ahead = (next - inc.committed) as u32;
+        let p = inc.fifo.try_reserve_ahead(ahead)?;
+        let n = inc.lens.len() as u64;
+        inc.lens[(next % n) as usize] = len;
+        Some(p)
+    };
+    loop {
+        if let Some(p) = try_once() {
+            return Some(p);
+        }
+        if shared.stop.load(Ordering::SeqCst) {
+            return None;
+        }
+        let seq = shared.recv_bell.prepare_sleep();
+        if let Some(p) = try_once() {
+            shared.recv_bell.cancel_sleep();
+            return Some(p);
+        }
+        shared.recv_bell.sleep(seq, Duration::from_millis(100));
     }
 }
 
-/// Opens the connection for channel index `ci` to the rank listening at `addr`,
-/// retrying until `deadline`, and introduces this rank.
+/// How a connection introduces itself: rank, channel index, socket index, sockets per
+/// link.
+const INTRO_BYTES: usize = 16;
+
+/// Opens socket `sock` of the link for channel index `ci` to the rank listening at
+/// `addr`, retrying until `deadline`, and introduces this rank.
 pub fn connect(
     addr: std::net::SocketAddr,
     rank: usize,
     ci: usize,
+    sock: usize,
+    striping: Striping,
     deadline: Instant,
 ) -> io::Result<TcpStream> {
+    let mut intro = [0u8; INTRO_BYTES];
+    for (i, v) in [rank, ci, sock, striping.sockets()].into_iter().enumerate() {
+        intro[4 * i..4 * i + 4].copy_from_slice(&(v as u32).to_le_bytes());
+    }
     let mut backoff = Duration::from_millis(5);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
             Ok(mut s) => {
-                s.write_all(&frame(rank as u32, ci as u32))?;
+                s.write_all(&intro)?;
                 return Ok(s);
             }
             Err(e) if Instant::now() >= deadline => {
@@ -432,15 +674,27 @@ pub fn connect(
     }
 }
 
-/// Accepts `expected` connections made by [`connect`]; returns `(channel index, peer
-/// rank, socket)` for each.
+/// A connection accepted and introduced.
+pub struct Accepted {
+    /// Channel index.
+    pub channel: usize,
+    /// The peer's rank.
+    pub peer: usize,
+    /// Which socket of the link it is.
+    pub socket: usize,
+    /// The connection.
+    pub stream: TcpStream,
+}
+
+/// Accepts `expected` connections made by [`connect`] with the same striping.
 pub fn accept(
     listener: &std::net::TcpListener,
     expected: usize,
     deadline: Instant,
     nranks: usize,
     channels: usize,
-) -> io::Result<Vec<(usize, usize, TcpStream)>> {
+    striping: Striping,
+) -> io::Result<Vec<Accepted>> {
     listener.set_nonblocking(true)?;
     let mut out = Vec::with_capacity(expected);
     while out.len() < expected {
@@ -452,18 +706,40 @@ pub fn accept(
                         .saturating_duration_since(Instant::now())
                         .max(Duration::from_millis(100)),
                 ))?;
-                let mut h = [0u8; 8];
-                s.read_exact(&mut h)?;
+                let mut intro = [0u8; INTRO_BYTES];
+                s.read_exact(&mut intro)?;
                 s.set_read_timeout(None)?;
-                let peer = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
-                let ci = u32::from_le_bytes(h[4..].try_into().expect("4 bytes")) as usize;
-                if peer >= nranks || ci > channels {
+                let field = |i: usize| {
+                    u32::from_le_bytes(intro[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+                        as usize
+                };
+                let (peer, channel, socket, sockets) = (field(0), field(1), field(2), field(3));
+                if sockets != striping.sockets() {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
-                        format!("{from} introduced itself as rank {peer}, channel {ci}"),
+                        format!(
+                            "rank {peer} ({from}) uses {sockets} sockets per link, this rank \
+                             {} (FERROCCL_SOCKET_NTHREADS x FERROCCL_NSOCKS_PERTHREAD must \
+                             agree on every rank)",
+                            striping.sockets()
+                        ),
                     ));
                 }
-                out.push((ci, peer, s));
+                if peer >= nranks || channel > channels || socket >= sockets {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "{from} introduced itself as rank {peer}, channel {channel}, \
+                             socket {socket}"
+                        ),
+                    ));
+                }
+                out.push(Accepted {
+                    channel,
+                    peer,
+                    socket,
+                    stream: s,
+                });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -478,4 +754,45 @@ pub fn accept(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_cover_a_slot_once_in_order() {
+        for n in 1..=9 {
+            for len in [0, 1, 63, 64, 65, 1000, 4096, 131_072, 131_071] {
+                let mut at = 0;
+                for i in 0..n {
+                    let r = stripe(len, i, n);
+                    assert_eq!(r.start, at, "len {len} stripe {i} of {n}");
+                    assert!(r.start.is_multiple_of(64) || r.is_empty());
+                    at = r.end;
+                }
+                assert_eq!(at, len, "len {len}, {n} stripes");
+            }
+        }
+    }
+
+    #[test]
+    fn striping_limits_are_checked() {
+        let bad = [(0, 1), (1, 0), (17, 1), (8, 9)];
+        for (threads, sockets_per_thread) in bad {
+            let s = Striping {
+                threads,
+                sockets_per_thread,
+            };
+            assert!(s.validate().is_err(), "{s:?}");
+        }
+        assert!(
+            Striping {
+                threads: 4,
+                sockets_per_thread: 16
+            }
+            .validate()
+            .is_ok()
+        );
+    }
 }
