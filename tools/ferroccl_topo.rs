@@ -1,7 +1,7 @@
 //! `ferroccl-topo`: this host's topology, and the rings and trees a job would use.
 //!
 //! ```text
-//! ferroccl-topo                                  # NUMA nodes, CPUs, NICs of this host
+//! ferroccl-topo                                  # NUMA nodes, CPUs, NICs, GPUs, PCI distances
 //! ferroccl-topo --hosts 4 --ranks-per-host 2     # plus the rings and double binary tree
 //! ferroccl-topo --json                           # the same as JSON
 //! ```
@@ -81,6 +81,43 @@ fn main() -> ExitCode {
                 .as_ref()
                 .map_or(String::new(), |p| format!(", pci {p}"))
         );
+    }
+    for (i, g) in host.gpus.iter().enumerate() {
+        let near = ferroccl::topo::nearest_nic(&host.nics, &g.pci_path)
+            .map_or(String::new(), |(n, d)| {
+                format!(", nearest nic {} ({})", n.name, d.name())
+            });
+        println!(
+            "  gpu {i}: {} pci {}, numa node {}, {} NVLinks{near}",
+            if g.name.is_empty() {
+                "(name unknown)"
+            } else {
+                &g.name
+            },
+            g.pci,
+            g.numa_node.map_or("?".into(), |n| n.to_string()),
+            g.nvlinks.len()
+        );
+    }
+    match &host.nvml_note {
+        Some(why) if host.gpus.is_empty() => println!("  no GPUs ({why})"),
+        Some(why) => println!("  ({why}: GPUs from sysfs, NVLink unknown)"),
+        None => {}
+    }
+    let (names, rows) = host.distance_matrix();
+    if names.len() > 1 {
+        println!("  PCI distances (PIX < PXB < PHB < SYS; NVn = n NVLinks):");
+        println!(
+            "    {:>10} {}",
+            "",
+            names.iter().map(|n| format!("{n:>8}")).collect::<String>()
+        );
+        for (n, row) in names.iter().zip(&rows) {
+            println!(
+                "    {n:>10} {}",
+                row.iter().map(|c| format!("{c:>8}")).collect::<String>()
+            );
+        }
     }
     if let Some(labels) = labels {
         println!("job: {} hosts x {per_host} ranks", labels.len() / per_host);

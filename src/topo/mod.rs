@@ -1,12 +1,16 @@
 //! What the machine and the job look like: which ranks share a host, and on this host
-//! its NUMA nodes, CPUs and network interfaces (from sysfs). Rings and trees are built
-//! from the host grouping ([`host_labels`]); the rest is for people and tools:
-//! `FERROCCL_TOPO_DUMP_FILE` writes it as JSON when a communicator is made, and
+//! its NUMA nodes, CPUs, network interfaces, GPUs and the PCI tree joining them (from
+//! sysfs, and NVML for GPUs and NVLink when an NVIDIA driver is installed). Rings and
+//! trees are built from the host grouping ([`host_labels`]); the rest is for people and
+//! tools: `FERROCCL_TOPO_DUMP_FILE` writes it as JSON when a communicator is made, and
 //! `ferroccl-topo` prints it with the rings and trees a job would use.
-//!
-//! GPUs and NVLink are not detected yet (no CUDA path exists to use them).
+
+pub mod nvml;
+pub mod pci;
 
 use std::path::Path;
+
+use pci::{PciDevice, PciDistance};
 
 use crate::bootstrap::PeerInfo;
 use crate::error::{Error, Result};
@@ -47,6 +51,23 @@ pub struct Nic {
     pub rdma: bool,
     /// PCI address, for devices on a PCI bus.
     pub pci: Option<String>,
+    /// The root complex and bridges above it, for devices on a PCI bus.
+    pub pci_path: Vec<String>,
+}
+
+/// One GPU of this host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Gpu {
+    /// PCI address.
+    pub pci: String,
+    /// Product name (from NVML; empty when only sysfs saw it).
+    pub name: String,
+    /// NUMA node it is attached to.
+    pub numa_node: Option<usize>,
+    /// The root complex and bridges above it.
+    pub pci_path: Vec<String>,
+    /// For each active NVLink, the PCI address at its far end (a GPU or an NVSwitch).
+    pub nvlinks: Vec<String>,
 }
 
 /// This host, as sysfs describes it.
@@ -58,6 +79,10 @@ pub struct HostTopology {
     pub numa: Vec<NumaNode>,
     /// Network interfaces that are up, loopback excluded.
     pub nics: Vec<Nic>,
+    /// GPUs (NVIDIA ones through NVML when it loads, otherwise as sysfs lists them).
+    pub gpus: Vec<Gpu>,
+    /// Why NVML gave nothing, when it did not (no library, no driver).
+    pub nvml_note: Option<String>,
 }
 
 /// Parses a sysfs CPU list (`0-3,8,10-11`).
@@ -131,36 +156,139 @@ impl HostTopology {
                     .and_then(|s| s.parse::<i64>().ok())
                     .filter(|&s| s > 0)
                     .map(|s| s as u64);
-                let pci = std::fs::read_link(dir.join("device"))
+                // The PCI function the interface belongs to: the device itself, or
+                // the nearest PCI device above it (a virtio NIC hangs below one).
+                let pci = std::fs::canonicalize(dir.join("device"))
                     .ok()
-                    .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
-                    .filter(|f| f.contains(':'));
+                    .and_then(|p| {
+                        p.to_string_lossy()
+                            .split('/')
+                            .rfind(|c| pci::is_pci_addr(c))
+                            .map(str::to_string)
+                    });
+                let pci_path = pci
+                    .as_deref()
+                    .and_then(pci::device)
+                    .map(|d| d.path)
+                    .unwrap_or_default();
                 Some(Nic {
                     rdma: rdma.contains(&name),
                     name,
                     speed_mbps,
                     pci,
+                    pci_path,
                 })
             })
             .collect();
         nics.sort_by(|a, b| a.name.cmp(&b.name));
+        let (gpus, nvml_note) = detect_gpus();
         HostTopology {
             hostname: crate::bootstrap::hostname(),
             numa,
             nics,
+            gpus,
+            nvml_note,
         }
+    }
+
+    /// How far apart each pair of GPUs and NICs is on the PCI tree (rows and columns:
+    /// the GPUs, then the NICs; `None` where either is not on PCI), as `nvidia-smi topo
+    /// -m` shows it. Two GPUs joined by NVLink are `"NV<links>"`.
+    pub fn distance_matrix(&self) -> (Vec<String>, Vec<Vec<String>>) {
+        let mut names: Vec<String> = Vec::new();
+        let mut paths: Vec<Option<&[String]>> = Vec::new();
+        for (i, g) in self.gpus.iter().enumerate() {
+            names.push(format!("GPU{i}"));
+            paths.push(Some(&g.pci_path));
+        }
+        for n in &self.nics {
+            names.push(n.name.clone());
+            paths.push(n.pci.as_ref().map(|_| n.pci_path.as_slice()));
+        }
+        let cell = |a: usize, b: usize| -> String {
+            if a == b {
+                return "X".into();
+            }
+            if let (Some(ga), Some(gb)) = (self.gpus.get(a), self.gpus.get(b)) {
+                let links = ga.nvlinks.iter().filter(|p| **p == gb.pci).count();
+                if links > 0 {
+                    return format!("NV{links}");
+                }
+            }
+            match (paths[a], paths[b]) {
+                (Some(pa), Some(pb)) => pci::distance(pa, pb).name().into(),
+                _ => "-".into(),
+            }
+        };
+        let rows = (0..names.len())
+            .map(|a| (0..names.len()).map(|b| cell(a, b)).collect())
+            .collect();
+        (names, rows)
     }
 
     /// As JSON.
     pub fn to_json(&self) -> serde_json::Value {
+        let (names, rows) = self.distance_matrix();
         serde_json::json!({
             "hostname": self.hostname,
             "numa": self.numa.iter().map(|n| serde_json::json!({"id": n.id, "cpus": n.cpus})).collect::<Vec<_>>(),
             "nics": self.nics.iter().map(|n| serde_json::json!({
                 "name": n.name, "speed_mbps": n.speed_mbps, "rdma": n.rdma, "pci": n.pci,
+                "pci_path": n.pci_path,
             })).collect::<Vec<_>>(),
+            "gpus": self.gpus.iter().map(|g| serde_json::json!({
+                "pci": g.pci, "name": g.name, "numa_node": g.numa_node,
+                "pci_path": g.pci_path, "nvlinks": g.nvlinks,
+            })).collect::<Vec<_>>(),
+            "nvml": self.nvml_note.as_deref().unwrap_or("loaded"),
+            "distances": { "devices": names, "matrix": rows },
         })
     }
+}
+
+/// GPUs from NVML when it loads, else NVIDIA display/3D devices from sysfs.
+fn detect_gpus() -> (Vec<Gpu>, Option<String>) {
+    let from_sysfs = |addr: &str| pci::device(addr);
+    match nvml::gpus() {
+        Ok(list) => {
+            let gpus = list
+                .into_iter()
+                .map(|g| {
+                    let dev: Option<PciDevice> = from_sysfs(&g.bus_id);
+                    Gpu {
+                        numa_node: dev.as_ref().and_then(|d| d.numa_node),
+                        pci_path: dev.map(|d| d.path).unwrap_or_default(),
+                        pci: g.bus_id,
+                        name: g.name,
+                        nvlinks: g.nvlinks,
+                    }
+                })
+                .collect();
+            (gpus, None)
+        }
+        Err(why) => {
+            let gpus = pci::devices_of_class(&[0x03])
+                .into_iter()
+                .filter(|d| d.vendor == 0x10de)
+                .map(|d| Gpu {
+                    pci: d.addr,
+                    name: String::new(),
+                    numa_node: d.numa_node,
+                    pci_path: d.path,
+                    nvlinks: Vec::new(),
+                })
+                .collect();
+            (gpus, Some(why))
+        }
+    }
+}
+
+/// The nearest NIC to a device on the PCI tree, by [`PciDistance`].
+pub fn nearest_nic<'a>(nics: &'a [Nic], device_path: &[String]) -> Option<(&'a Nic, PciDistance)> {
+    nics.iter()
+        .filter(|n| n.pci.is_some())
+        .map(|n| (n, pci::distance(device_path, &n.pci_path)))
+        .min_by_key(|(_, d)| *d)
 }
 
 /// A job's topology: its ranks grouped by host, this host's details, and the rings and
@@ -212,6 +340,50 @@ mod tests {
         let cpus: usize = t.numa.iter().map(|n| n.cpus.len()).sum();
         assert_eq!(cpus, std::thread::available_parallelism().unwrap().get());
         assert!(t.nics.iter().all(|n| n.name != "lo"));
+    }
+
+    #[test]
+    fn distance_matrix_shows_nvlinks_and_pci_paths() {
+        let path = |s: &str| pci::bridges_of(s);
+        let gpu = |addr: &str, p: &str, links: &[&str]| Gpu {
+            pci: addr.into(),
+            name: "GPU".into(),
+            numa_node: Some(0),
+            pci_path: path(p),
+            nvlinks: links.iter().map(|l| l.to_string()).collect(),
+        };
+        let host = HostTopology {
+            hostname: "h".into(),
+            numa: vec![],
+            nics: vec![Nic {
+                name: "ib0".into(),
+                speed_mbps: Some(400_000),
+                rdma: true,
+                pci: Some("0000:05:00.0".into()),
+                pci_path: path(
+                    "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:05:00.0",
+                ),
+            }],
+            gpus: vec![
+                gpu(
+                    "0000:03:00.0",
+                    "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:00.0",
+                    &["0000:81:00.0", "0000:81:00.0"],
+                ),
+                gpu(
+                    "0000:81:00.0",
+                    "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0",
+                    &[],
+                ),
+            ],
+            nvml_note: None,
+        };
+        let (names, rows) = host.distance_matrix();
+        assert_eq!(names, ["GPU0", "GPU1", "ib0"]);
+        assert_eq!(rows[0], ["X", "NV2", "PXB"]);
+        assert_eq!(rows[1], ["SYS", "X", "SYS"]);
+        let (nic, d) = nearest_nic(&host.nics, &host.gpus[0].pci_path).unwrap();
+        assert_eq!((nic.name.as_str(), d), ("ib0", PciDistance::Pxb));
     }
 
     #[test]
