@@ -328,3 +328,39 @@ mod properties {
         }
     }
 }
+
+#[test]
+fn abort_from_another_thread_ends_a_waiting_call_at_once() {
+    // Rank 1 never calls: rank 0's all-reduce waits (deadline 120 s) until the main
+    // thread aborts rank 0's communicator, as a watchdog or ncclCommAbort would.
+    let mut comms = Communicator::init_all_with(2, config(1))
+        .unwrap()
+        .into_iter();
+    let comm0 = std::sync::Arc::new(comms.next().unwrap());
+    let _idle_rank1 = comms.next().unwrap();
+    let waiting = {
+        let comm0 = comm0.clone();
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut buf = vec![1.0f32; 1024];
+            (
+                comm0.all_reduce_in_place(&mut buf, ReduceOp::Sum),
+                start.elapsed(),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let aborted_at = std::time::Instant::now();
+    comm0.abort();
+    let (result, waited) = waiting.join().unwrap();
+    let err = result.unwrap_err().to_string();
+    assert!(err.contains("aborted by the user"), "{err}");
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    assert!(aborted_at.elapsed() < Duration::from_secs(2));
+    // Later calls fail at once, naming the abort.
+    let err = comm0
+        .all_reduce_in_place(&mut [0u8], ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("aborted"), "{err}");
+}

@@ -21,12 +21,12 @@ pub use config::CommConfig;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::engine::progress::{Pending, ProgressThread, Turns, pending};
-use crate::engine::{self, CallInfo, OpBuffers};
+use crate::engine::{self, ABORTED_BY_USER, CallInfo, OpBuffers};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
-use crate::transport::bell::Closed;
+use crate::transport::bell::{Bell, Closed};
 use crate::transport::{Connections, TransportConfig};
 use crate::tune::{CostModel, LinkCost, Shape};
 use crate::types::{DataType, Element, ReduceOp};
@@ -49,6 +49,9 @@ pub struct Communicator {
     turns: Turns,
     /// Runs asynchronous calls; started by the first one.
     progress: OnceLock<ProgressThread>,
+    /// Closes this rank's bell without the state lock, so an abort reaches a running
+    /// call.
+    abort_bell: Arc<Bell>,
 }
 
 struct State {
@@ -75,15 +78,22 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
-/// One call's operation and buffers, before it runs.
-#[derive(Clone, Copy)]
-struct RawOp {
-    collective: Collective,
-    count: usize,
-    dtype: DataType,
-    op: ReduceOp,
-    input: *const u8,
-    output: *mut u8,
+/// One operation over raw buffers, as the C API issues it (see
+/// [`Communicator::group_raw`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RawCall {
+    /// What to run (with its root or peer).
+    pub collective: Collective,
+    /// NCCL's count argument for the collective.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Reduction (ignored by collectives that do not reduce).
+    pub op: ReduceOp,
+    /// NCCL's send buffer (null where the call has no input on this rank).
+    pub input: *const u8,
+    /// NCCL's receive buffer (null where the call has no output on this rank).
+    pub output: *mut u8,
 }
 
 impl Communicator {
@@ -207,6 +217,7 @@ impl Communicator {
             model,
             shape,
             boot,
+            abort_bell: conns.abort_handle(),
             state: Mutex::new(State {
                 conns,
                 seq: 0,
@@ -251,9 +262,11 @@ impl Communicator {
     /// Aborts the communicator (`ncclCommAbort`): later calls fail, and peers waiting on
     /// this rank fail at once with an error naming it.
     pub fn abort(&self) {
+        // First wake a call running in another thread (it holds the state), so that it
+        // fails now rather than at its deadline.
+        self.abort_bell.close(Closed::ByOwner);
         let mut st = self.lock();
-        st.failure
-            .get_or_insert_with(|| "aborted by the user".into());
+        st.failure.get_or_insert_with(|| ABORTED_BY_USER.into());
         st.conns.close(Closed::ByOwner);
     }
 
@@ -266,7 +279,7 @@ impl Communicator {
         let (rank, failure) = (self.rank, self.failure());
         drop(self);
         match failure {
-            Some(reason) if reason != "aborted by the user" => Err(Error::Aborted { rank, reason }),
+            Some(reason) if reason != ABORTED_BY_USER => Err(Error::Aborted { rank, reason }),
             _ => Ok(()),
         }
     }
@@ -549,10 +562,8 @@ impl Communicator {
         input: *const u8,
         output: *mut u8,
     ) -> Result<()> {
-        if let Some(root) = collective.root() {
-            self.check_root(collective.name(), root)?;
-        }
-        let raw = RawOp {
+        self.check_root_or_peer(collective)?;
+        let raw = RawCall {
             collective,
             count,
             dtype,
@@ -562,6 +573,23 @@ impl Communicator {
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { self.run(&[raw]) }
+    }
+
+    /// Runs several operations over raw buffers together, as one group (the C API's
+    /// `ncclGroupStart` … `ncclGroupEnd` on one communicator): sends and receives between
+    /// two ranks in one group cannot wait on each other.
+    ///
+    /// # Safety
+    /// As [`Communicator::collective_raw`], for every call.
+    pub unsafe fn group_raw(&self, calls: &[RawCall]) -> Result<()> {
+        for call in calls {
+            self.check_root_or_peer(call.collective)?;
+        }
+        if calls.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.run(calls) }
     }
 
     fn typed<T: Element>(
@@ -575,7 +603,7 @@ impl Communicator {
         let (in_len, out_len) = collective.buffer_lens(count, self.rank, self.nranks);
         check_len(collective, "send", send.len(), in_len)?;
         check_len(collective, "recv", recv.len(), out_len)?;
-        let raw = RawOp {
+        let raw = RawCall {
             collective,
             count,
             dtype: T::DTYPE,
@@ -620,7 +648,7 @@ impl Communicator {
             }
         };
         debug_assert_eq!(elem, T::DTYPE.size());
-        let raw = RawOp {
+        let raw = RawCall {
             collective,
             count,
             dtype: T::DTYPE,
@@ -637,7 +665,7 @@ impl Communicator {
     ///
     /// # Safety
     /// As [`Communicator::collective_raw`], for every operation.
-    unsafe fn run(&self, raws: &[RawOp]) -> Result<()> {
+    unsafe fn run(&self, raws: &[RawCall]) -> Result<()> {
         // SAFETY: forwarded; the call runs before `run` returns.
         self.turns
             .run_blocking(|| unsafe { self.run_in_turn(raws) })
@@ -647,7 +675,7 @@ impl Communicator {
     ///
     /// # Safety
     /// As [`Communicator::run`].
-    unsafe fn run_in_turn(&self, raws: &[RawOp]) -> Result<()> {
+    unsafe fn run_in_turn(&self, raws: &[RawCall]) -> Result<()> {
         let mut ops = Vec::with_capacity(raws.len());
         for raw in raws {
             let reducing = raw.collective.is_reducing();
@@ -703,7 +731,10 @@ impl Communicator {
         // inside them because the plan was made from the same counts.
         let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
         if let Err(e) = &result {
-            st.failure = Some(e.to_string());
+            st.failure = Some(match e {
+                Error::Aborted { reason, .. } => reason.clone(),
+                other => other.to_string(),
+            });
             // Tell the peers which rank failed first, as far as this rank knows: the
             // one it saw fail, or the one it timed out waiting for.
             let why = match e {
@@ -719,7 +750,7 @@ impl Communicator {
         result
     }
 
-    fn plan_one(&self, raw: &RawOp) -> Result<Plan> {
+    fn plan_one(&self, raw: &RawCall) -> Result<Plan> {
         let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
         let bytes = raw.count * raw.dtype.size();
         let algorithm = self.algorithm_for(raw.collective, bytes);
@@ -777,6 +808,17 @@ impl Communicator {
             )));
         }
         Ok(())
+    }
+
+    fn check_root_or_peer(&self, collective: Collective) -> Result<()> {
+        match collective {
+            Collective::Send { peer } | Collective::Recv { peer } => {
+                self.check_peer(collective.name(), peer)
+            }
+            c => c
+                .root()
+                .map_or(Ok(()), |root| self.check_root(c.name(), root)),
+        }
     }
 
     fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
@@ -842,7 +884,7 @@ fn check_len(c: Collective, what: &str, have: usize, need: usize) -> Result<()> 
 /// buffers stay borrowed until [`Group::end`].
 pub struct Group<'c, 'b> {
     comm: &'c Communicator,
-    ops: Vec<RawOp>,
+    ops: Vec<RawCall>,
     _buffers: PhantomData<&'b mut [u8]>,
 }
 
@@ -850,7 +892,7 @@ impl<'b> Group<'_, 'b> {
     /// Adds a send of `buf` to `peer`.
     pub fn send<T: Element>(&mut self, buf: &'b [T], peer: usize) -> Result<&mut Self> {
         self.comm.check_peer("send", peer)?;
-        self.ops.push(RawOp {
+        self.ops.push(RawCall {
             collective: Collective::Send { peer },
             count: buf.len(),
             dtype: T::DTYPE,
@@ -864,7 +906,7 @@ impl<'b> Group<'_, 'b> {
     /// Adds a receive into `buf` from `peer`.
     pub fn recv<T: Element>(&mut self, buf: &'b mut [T], peer: usize) -> Result<&mut Self> {
         self.comm.check_peer("recv", peer)?;
-        self.ops.push(RawOp {
+        self.ops.push(RawCall {
             collective: Collective::Recv { peer },
             count: buf.len(),
             dtype: T::DTYPE,
@@ -883,7 +925,7 @@ impl<'b> Group<'_, 'b> {
         op: ReduceOp,
     ) -> Result<&mut Self> {
         same_len("all_reduce", "send", send.len(), "recv", recv.len())?;
-        self.ops.push(RawOp {
+        self.ops.push(RawCall {
             collective: Collective::AllReduce,
             count: send.len(),
             dtype: T::DTYPE,

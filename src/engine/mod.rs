@@ -59,6 +59,9 @@ pub struct OpBuffers {
     pub reducing: bool,
 }
 
+/// The reason of a communicator aborted by its owner.
+pub const ABORTED_BY_USER: &str = "aborted by the user";
+
 /// What a call is, for error messages and the deadline.
 #[derive(Clone, Debug)]
 pub struct CallInfo {
@@ -151,6 +154,14 @@ pub unsafe fn execute(
             conns.bell().cancel_sleep();
             idle_sweeps = 0;
             continue;
+        }
+        if conns.bell().closed() != Closed::Open {
+            // Aborted from another thread (see `Connections::abort_handle`).
+            conns.bell().cancel_sleep();
+            return Err(Error::Aborted {
+                rank: conns.rank(),
+                reason: ABORTED_BY_USER.into(),
+            });
         }
         if let Some((failed_rank, detail)) = failure {
             conns.bell().cancel_sleep();

@@ -93,6 +93,8 @@ pub struct Connections {
     liveness: Vec<Option<Liveness>>,
     /// `[channel index][peer]`: the TCP link, for peers reached over TCP.
     links: Vec<Vec<Option<TcpLink>>>,
+    /// A second view of this rank's bell, for [`Connections::abort_handle`].
+    own_bell: Arc<Bell>,
     geometry: Geometry,
     /// More ranks on this host than cores to run them.
     oversubscribed: bool,
@@ -383,6 +385,7 @@ impl Connections {
             peer_bells,
             liveness,
             links,
+            own_bell: proxy_view,
             geometry: config.geometry,
             oversubscribed,
         })
@@ -436,6 +439,13 @@ impl Connections {
     /// This rank's own bell (to sleep on).
     pub fn bell(&self) -> &Bell {
         &self.bell
+    }
+
+    /// A handle that closes this rank's bell from any thread, without the
+    /// `Connections` (which a running call holds): the call sees it at its next wait and
+    /// fails, and so do peers waiting on this rank.
+    pub fn abort_handle(&self) -> Arc<Bell> {
+        self.own_bell.clone()
     }
 
     /// After committing a slot towards `peer` on `channel`: wakes whoever drains it
