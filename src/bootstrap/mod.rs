@@ -161,6 +161,20 @@ impl Bootstrap {
         Ok(boot)
     }
 
+    /// A rendezvous of some of this job's ranks (a split) on `store` (a prefix of this
+    /// one's): the rank whose process hosts the store keeps that role.
+    pub fn sub(
+        &self,
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        options: &BootstrapOptions,
+    ) -> Result<Self> {
+        let mut boot = Self::join(store, rank, world_size, options, self.hosts_store)?;
+        boot.store_addr = self.store_addr.clone();
+        Ok(boot)
+    }
+
     /// Joins the rendezvous named by `id` (see [`UniqueId`]).
     pub fn from_unique_id(
         id: &UniqueId,
@@ -176,7 +190,7 @@ impl Bootstrap {
             },
         )?;
         let store = PrefixStore::new(id.key_prefix(), Arc::new(client));
-        let mut boot = Self::new(Arc::new(store), rank, world_size, options)?;
+        let mut boot = Self::join(Arc::new(store), rank, world_size, options, id.hosted_here())?;
         boot.store_addr = Some(id.store_addr().to_string());
         Ok(boot)
     }
@@ -417,6 +431,24 @@ impl Bootstrap {
             && let Err(e) = self.store.delete(&Self::key(seq - 1, self.rank))
         {
             tracing::debug!("bootstrap: could not delete an old rendezvous key: {e}");
+        }
+        self.depart_round(seq)
+    }
+
+    /// Records that this rank has seen round `seq` complete. The rank whose process hosts
+    /// the store waits until every rank has: otherwise, when a round is a job's last, it
+    /// could exit (taking the store with it) while a slower rank is still waiting to see
+    /// the round complete, and that rank would fail with "connection reset".
+    fn depart_round(&self, seq: u64) -> Result<()> {
+        let counter = format!("departed/{seq}");
+        let all_gone = format!("departed/{seq}/all");
+        if self.store.add(&counter, 1)? == self.world_size as i64 {
+            self.store.set(&all_gone, b"")?;
+        }
+        if self.hosts_store {
+            // The two keys stay: several ranks of one process may all be hosts, and a
+            // host that deleted them could strand another still about to wait.
+            self.store.wait(&[&all_gone], self.timeout)?;
         }
         Ok(())
     }

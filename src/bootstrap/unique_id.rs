@@ -147,6 +147,15 @@ impl UniqueId {
         format!("ferroccl/{}", hex(&self.nonce()))
     }
 
+    /// Whether the store server this id names runs in this process (and so dies with
+    /// it).
+    pub fn hosted_here(&self) -> bool {
+        hosted()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&self.nonce())
+    }
+
     /// Stops the store server this process started for this id; returns whether there
     /// was one. Ranks still using it get connection errors.
     pub fn stop_server(&self) -> bool {

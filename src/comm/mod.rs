@@ -298,6 +298,20 @@ impl Communicator {
         mine.extend_from_slice(&color.map_or(-1i64, i64::from).to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
         let all = self.boot.all_gather(&mine)?;
+        let sub = self.join_split(&all, color, generation);
+        // Every rank of the parent, whatever its color, waits here until all have made
+        // their communicators: the store lives in one rank's process, and that rank must
+        // not return (and perhaps exit) while other colors still rendezvous on it.
+        self.boot.barrier()?;
+        sub
+    }
+
+    fn join_split(
+        &self,
+        all: &[Vec<u8>],
+        color: Option<u32>,
+        generation: u64,
+    ) -> Result<Option<Communicator>> {
         let Some(color) = color else {
             return Ok(None);
         };
@@ -322,7 +336,7 @@ impl Communicator {
             format!("split/{generation}/{color}"),
             self.boot.store().clone(),
         );
-        let boot = Bootstrap::new(
+        let boot = self.boot.sub(
             Arc::new(store),
             new_rank,
             members.len(),
