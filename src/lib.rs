@@ -70,6 +70,7 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap;
+pub mod capi;
 pub mod comm;
 pub mod engine;
 pub mod error;

@@ -1,0 +1,178 @@
+//! `ncclGroupStart` / `ncclGroupEnd` on host memory.
+//!
+//! Each thread has its own group state (as in NCCL). Inside a group, inits and calls are
+//! queued; when the outermost group ends, the queued inits run (all at once, so one
+//! thread can create several ranks of a communicator), then each communicator's calls
+//! run as one fused plan (so sends and receives between two ranks cannot wait on each
+//! other). Calls on several communicators (one thread driving several ranks) run in
+//! parallel threads, one per communicator, and the group ends when all have finished.
+//! A call that fails its checks inside a group fails the whole group: `ncclGroupEnd`
+//! runs nothing and returns that error.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::sync::Arc;
+
+use super::handle::CommHandle;
+use super::{Failure, SUCCESS};
+use crate::comm::{Communicator, RawCall};
+
+/// A queued initialisation.
+pub type Init = Box<dyn FnOnce() -> crate::Result<Communicator> + Send>;
+
+#[derive(Default)]
+struct GroupState {
+    depth: usize,
+    inits: Vec<(Arc<CommHandle>, Init)>,
+    calls: Vec<(Arc<CommHandle>, RawCall)>,
+    failed: Option<Failure>,
+}
+
+thread_local! {
+    static GROUP: RefCell<GroupState> = RefCell::new(GroupState::default());
+}
+
+/// Whether this thread is inside a group.
+pub fn in_group() -> bool {
+    GROUP.with(|g| g.borrow().depth > 0)
+}
+
+/// Opens a (possibly nested) group.
+pub fn start() {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+}
+
+/// Queues an initialisation for the end of the group.
+pub fn queue_init(handle: Arc<CommHandle>, init: Init) {
+    GROUP.with(|g| g.borrow_mut().inits.push((handle, init)));
+}
+
+/// Queues a call if this thread is inside a group; returns whether it did.
+pub fn queue_call(handle: &Arc<CommHandle>, call: RawCall) -> bool {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return false;
+        }
+        g.calls.push((handle.clone(), call));
+        true
+    })
+}
+
+/// Records a failed call inside a group: the group will fail with it.
+pub fn fail(failure: &Failure) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && g.failed.is_none() {
+            g.failed = Some(failure.clone());
+        }
+    });
+}
+
+/// Calls of one communicator, moved to the thread that runs them.
+struct CommCalls(Arc<CommHandle>, Vec<RawCall>);
+
+// SAFETY: the raw buffers in the calls belong to the application, which keeps them valid
+// until ncclGroupEnd returns; `end` joins every thread before returning.
+unsafe impl Send for CommCalls {}
+
+impl CommCalls {
+    fn run(self) -> Result<(), Failure> {
+        let comm = self.0.communicator()?;
+        // SAFETY: the application's buffers, valid until ncclGroupEnd returns (NCCL's
+        // contract for grouped calls); they were checked when queued.
+        unsafe { comm.group_raw(&self.1) }.map_err(|e| Failure::from_error(&e))
+    }
+}
+
+/// Closes a group; the outermost runs what was queued.
+pub fn end() -> Result<c_int, Failure> {
+    let state = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Failure::new(
+                super::INVALID_USAGE,
+                "ncclGroupEnd without a matching ncclGroupStart",
+            ));
+        }
+        g.depth -= 1;
+        Ok((g.depth == 0).then(|| std::mem::take(&mut *g)))
+    })?;
+    let Some(state) = state else {
+        return Ok(SUCCESS);
+    };
+    if let Some(failed) = state.failed {
+        for (handle, _) in &state.inits {
+            handle.finish_init(Err(crate::Error::invalid(format!(
+                "the group it was created in failed: {}",
+                failed.message
+            ))));
+        }
+        return Err(failed);
+    }
+    let mut first_error: Option<Failure> = None;
+    // Inits: all at once, since they wait for each other when they are ranks of one
+    // communicator.
+    std::thread::scope(|s| {
+        let running: Vec<_> = state
+            .inits
+            .into_iter()
+            .map(|(handle, init)| {
+                s.spawn(move || {
+                    let outcome = init();
+                    let failure = outcome.as_ref().err().map(Failure::from_error);
+                    handle.finish_init(outcome);
+                    failure
+                })
+            })
+            .collect();
+        for r in running {
+            if let Ok(Some(f)) = r.join() {
+                first_error.get_or_insert(f);
+            }
+        }
+    });
+    // Calls, in order per communicator.
+    let mut order: Vec<*const CommHandle> = Vec::new();
+    let mut by_comm: HashMap<*const CommHandle, CommCalls> = HashMap::new();
+    for (handle, call) in state.calls {
+        let key = Arc::as_ptr(&handle);
+        by_comm
+            .entry(key)
+            .or_insert_with(|| {
+                order.push(key);
+                CommCalls(handle, Vec::new())
+            })
+            .1
+            .push(call);
+    }
+    let mut jobs: Vec<CommCalls> = order.iter().filter_map(|k| by_comm.remove(k)).collect();
+    let results: Vec<Result<(), Failure>> = if jobs.len() == 1 {
+        vec![jobs.pop().expect("one job").run()]
+    } else {
+        std::thread::scope(|s| {
+            let running: Vec<_> = jobs.into_iter().map(|j| s.spawn(move || j.run())).collect();
+            running
+                .into_iter()
+                .map(|r| {
+                    r.join().unwrap_or_else(|_| {
+                        Err(Failure::new(
+                            super::INTERNAL_ERROR,
+                            "a group thread panicked",
+                        ))
+                    })
+                })
+                .collect()
+        })
+    };
+    for r in results {
+        if let Err(e) = r {
+            first_error.get_or_insert(e);
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(SUCCESS),
+    }
+}

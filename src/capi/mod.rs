@@ -1,0 +1,976 @@
+//! The NCCL C ABI: every function of `include/nccl.h` (NCCL 2.21's API plus 2.28's
+//! all-to-all, gather and scatter), exported from the cdylib under NCCL's names and
+//! their `pnccl*` twins, so a program built against NCCL links to `libferroccl.so`
+//! installed as `libnccl.so.2` and runs unchanged.
+//!
+//! ferroccl's collectives run on host memory: with host pointers and a NULL stream every
+//! call has completed when it returns. A non-NULL stream is synchronised first (through
+//! the CUDA driver, loaded at run time) so host-memory calls keep the stream's order;
+//! device pointers are refused with `ncclInvalidUsage` until the CUDA path exists.
+//!
+//! Every entry point checks its arguments (NULL, out-of-range ranks, types and ops,
+//! handles that are not live communicators, counts that overflow), catches panics, and
+//! on failure returns NCCL's code for it and leaves a message for `ncclGetLastError`
+//! (per thread). Calls between `ncclGroupStart` and `ncclGroupEnd` are queued per
+//! thread and run when the outermost group ends ([`group`]).
+
+#![allow(non_snake_case)]
+
+pub mod cuda;
+pub mod group;
+pub mod handle;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Mutex, OnceLock};
+
+use crate::bootstrap::{UNIQUE_ID_BYTES, UniqueId};
+use crate::comm::{CommConfig, Communicator, RawCall};
+use crate::error::Error;
+use crate::plan::Collective;
+use crate::types::{DataType, ReduceOp, Scalar};
+use handle::{CommHandle, Life, UserOp, lock};
+
+/// `ncclSuccess`.
+pub const SUCCESS: c_int = 0;
+/// `ncclSystemError`: the network, the store or the operating system failed.
+pub const SYSTEM_ERROR: c_int = 2;
+/// `ncclInternalError`: a bug in ferroccl (a caught panic).
+pub const INTERNAL_ERROR: c_int = 3;
+/// `ncclInvalidArgument`.
+pub const INVALID_ARGUMENT: c_int = 4;
+/// `ncclInvalidUsage`: a valid call at the wrong time, or something ferroccl cannot do.
+pub const INVALID_USAGE: c_int = 5;
+/// `ncclRemoteError`: a peer failed, left or timed out.
+pub const REMOTE_ERROR: c_int = 6;
+/// `ncclInProgress`.
+pub const IN_PROGRESS: c_int = 7;
+/// `ncclNumOps`: the first value of ops made by `ncclRedOpCreatePreMulSum`.
+pub const NUM_OPS: c_int = 5;
+/// The `NCCL_VERSION_CODE` of `include/nccl.h` (2.28.0).
+pub const VERSION_CODE: c_int = 22800;
+
+/// An error as the C API returns it: the code, and the message for `ncclGetLastError`.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    /// The `ncclResult_t`.
+    pub code: c_int,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl Failure {
+    /// A failure with `code`.
+    pub fn new(code: c_int, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The failure for a ferroccl error.
+    pub fn from_error(e: &Error) -> Self {
+        Failure::new(result_of(e), e.to_string())
+    }
+}
+
+/// NCCL's result code for a ferroccl error.
+pub fn result_of(e: &Error) -> c_int {
+    match e {
+        Error::InvalidArgument { .. }
+        | Error::Env { .. }
+        | Error::KeyTooLong { .. }
+        | Error::ValueTooLarge { .. } => INVALID_ARGUMENT,
+        Error::Unsupported { .. } => INVALID_USAGE,
+        Error::Aborted { reason, .. } if reason == crate::engine::ABORTED_BY_USER => INVALID_USAGE,
+        Error::PeerFailed { .. }
+        | Error::Timeout { .. }
+        | Error::Aborted { .. }
+        | Error::BootstrapTimeout { .. }
+        | Error::BootstrapData { .. } => REMOTE_ERROR,
+        _ => SYSTEM_ERROR,
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(function: &str, message: &str) {
+    let text = format!("{function}: {message}").replace('\0', " ");
+    tracing::warn!("{text}");
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text).unwrap_or_default());
+}
+
+/// Runs an entry point's body: catches panics, and records failures for
+/// `ncclGetLastError`.
+fn api(function: &str, body: impl FnOnce() -> Result<c_int, Failure>) -> c_int {
+    crate::trace::init_from_env();
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(f)) => {
+            set_last_error(function, &f.message);
+            group::fail(&f);
+            f.code
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            set_last_error(function, &format!("internal error: {what}"));
+            INTERNAL_ERROR
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Failure {
+    Failure::new(INVALID_ARGUMENT, message)
+}
+
+fn dtype_of(value: c_int) -> Result<DataType, Failure> {
+    DataType::from_nccl(value).map_err(|e| Failure::from_error(&e))
+}
+
+/// Reads one element of `dtype` at `ptr` as a pre-mul-sum scalar.
+///
+/// # Safety
+/// `ptr` is NULL or points to one readable element of `dtype`.
+pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar, Failure> {
+    if ptr.is_null() {
+        return Err(invalid("scalar is NULL"));
+    }
+    if cuda::is_device_pointer(ptr) {
+        return Err(Failure::new(
+            INVALID_USAGE,
+            "the pre-mul-sum scalar is in device memory, which ferroccl does not support yet",
+        ));
+    }
+    // SAFETY: the caller promised one readable element of `dtype`.
+    let scalar = unsafe {
+        match dtype {
+            DataType::Int8 => Scalar::Int(std::ptr::read_unaligned(ptr as *const i8).into()),
+            DataType::Int32 => Scalar::Int(std::ptr::read_unaligned(ptr as *const i32).into()),
+            DataType::Int64 => Scalar::Int(std::ptr::read_unaligned(ptr as *const i64)),
+            DataType::Uint8 => Scalar::Uint(std::ptr::read_unaligned(ptr as *const u8).into()),
+            DataType::Uint32 => Scalar::Uint(std::ptr::read_unaligned(ptr as *const u32).into()),
+            DataType::Uint64 => Scalar::Uint(std::ptr::read_unaligned(ptr as *const u64)),
+            float => crate::with_element_type!(float, T => {
+                Scalar::Float(crate::types::Element::to_f64(std::ptr::read_unaligned(ptr as *const T)))
+            }),
+        }
+    };
+    Ok(scalar)
+}
+
+/// A communicator's rank and size, as recorded when its handle was made.
+fn shape_of(handle: &CommHandle) -> (usize, usize) {
+    (handle.rank, handle.nranks)
+}
+
+/// Checks and runs (or queues, inside a group) one collective or point-to-point call.
+///
+/// # Safety
+/// The buffers must be valid for the call as NCCL defines it.
+#[allow(clippy::too_many_arguments)]
+unsafe fn collective(
+    comm: *mut c_void,
+    collective: Collective,
+    count: usize,
+    datatype: c_int,
+    op: Option<c_int>,
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    stream: *mut c_void,
+) -> Result<c_int, Failure> {
+    let handle = CommHandle::find(comm)?;
+    let dtype = dtype_of(datatype)?;
+    let (rank, nranks) = shape_of(&handle);
+    if let Some(r) = collective.root() {
+        let what = if matches!(
+            collective,
+            Collective::Send { .. } | Collective::Recv { .. }
+        ) {
+            "peer"
+        } else {
+            "root"
+        };
+        if r >= nranks {
+            return Err(invalid(format!(
+                "{what} {r} is not a rank of this communicator (0..{nranks})"
+            )));
+        }
+    }
+    let bytes = count
+        .checked_mul(nranks)
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .filter(|&b| b <= isize::MAX as usize);
+    if bytes.is_none() {
+        return Err(invalid(format!(
+            "count {count} of {dtype} on {nranks} ranks overflows the address space"
+        )));
+    }
+    let (in_len, out_len) = collective.buffer_lens(count, rank, nranks);
+    if in_len > 0 && sendbuff.is_null() {
+        return Err(invalid(format!("sendbuff is NULL for {count} elements")));
+    }
+    if out_len > 0 && recvbuff.is_null() {
+        return Err(invalid(format!("recvbuff is NULL for {count} elements")));
+    }
+    for (name, ptr) in [
+        ("sendbuff", sendbuff),
+        ("recvbuff", recvbuff as *const c_void),
+    ] {
+        if cuda::is_device_pointer(ptr) {
+            return Err(Failure::new(
+                INVALID_USAGE,
+                format!(
+                    "{name} {ptr:?} is CUDA device memory: device memory is not supported yet \
+                     (ferroccl runs collectives on host memory)"
+                ),
+            ));
+        }
+    }
+    let op = match op {
+        Some(op) => handle.reduce_op(op, dtype)?,
+        None => ReduceOp::Sum,
+    };
+    if !stream.is_null() {
+        // SAFETY: the caller's stream handle, as NCCL takes it.
+        unsafe { cuda::synchronize(stream) }.map_err(invalid)?;
+    }
+    let call = RawCall {
+        collective,
+        count,
+        dtype,
+        op,
+        input: sendbuff as *const u8,
+        output: recvbuff as *mut u8,
+    };
+    if group::queue_call(&handle, call) {
+        return Ok(SUCCESS);
+    }
+    let comm = handle.communicator()?;
+    // SAFETY: the buffers are the caller's, valid for the call as NCCL defines it.
+    unsafe { comm.collective_raw(collective, count, dtype, op, call.input, call.output) }
+        .map_err(|e| Failure::from_error(&e))?;
+    Ok(SUCCESS)
+}
+
+fn rank_arg(value: c_int, nranks: usize, what: &str) -> Result<usize, Failure> {
+    usize::try_from(value)
+        .ok()
+        .filter(|&r| r < nranks)
+        .ok_or_else(|| invalid(format!("{what} {value} is not in 0..{nranks}")))
+}
+
+/// `ncclMemAlloc` allocations: address → layout.
+fn allocations() -> &'static Mutex<HashMap<usize, std::alloc::Layout>> {
+    static ALLOCATIONS: OnceLock<Mutex<HashMap<usize, std::alloc::Layout>>> = OnceLock::new();
+    ALLOCATIONS.get_or_init(Default::default)
+}
+
+/// Joins a communicator now, later in the group, or in the background.
+fn init_rank(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    id: &NcclUniqueId,
+    rank: c_int,
+    config: *const c_void,
+) -> Result<c_int, Failure> {
+    if comm.is_null() {
+        return Err(invalid("comm (the output pointer) is NULL"));
+    }
+    let nranks = usize::try_from(nranks)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| invalid(format!("nranks {nranks} must be at least 1")))?;
+    let rank = rank_arg(rank, nranks, "rank")?;
+    // SAFETY: the caller passes NULL or a config initialised with NCCL_CONFIG_INITIALIZER
+    // (checked through its magic).
+    let settings = unsafe { handle::read_config(config) }?;
+    let mut bytes = [0u8; UNIQUE_ID_BYTES];
+    for (b, c) in bytes.iter_mut().zip(id.internal) {
+        *b = c as u8;
+    }
+    let id = UniqueId::from_bytes(&bytes).map_err(|e| Failure::from_error(&e))?;
+    let config = CommConfig::from_env().map_err(|e| Failure::from_error(&e))?;
+    let join = move || Communicator::init_rank_with(&id, nranks, rank, config);
+    if group::in_group() {
+        let (handle, ptr) =
+            CommHandle::register(Life::Initializing, settings.nonblocking, rank, nranks);
+        group::queue_init(handle, Box::new(join));
+        // SAFETY: `comm` is non-NULL (checked) and points to the caller's ncclComm_t.
+        unsafe { *comm = ptr };
+        return Ok(SUCCESS);
+    }
+    if settings.nonblocking {
+        let (handle, ptr) = CommHandle::register(Life::Initializing, true, rank, nranks);
+        std::thread::Builder::new()
+            .name(format!("ferroccl-init-r{rank}"))
+            .spawn(move || handle.finish_init(join()))
+            .map_err(|e| Failure::new(SYSTEM_ERROR, format!("start the init thread: {e}")))?;
+        // SAFETY: as above.
+        unsafe { *comm = ptr };
+        return Ok(IN_PROGRESS);
+    }
+    let c = join().map_err(|e| Failure::from_error(&e))?;
+    let (_, ptr) = CommHandle::register(Life::Ready(c.into()), false, rank, nranks);
+    // SAFETY: as above.
+    unsafe { *comm = ptr };
+    Ok(SUCCESS)
+}
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NcclUniqueId {
+    /// The bytes.
+    pub internal: [c_char; UNIQUE_ID_BYTES],
+}
+
+/// Exports each function under NCCL's name and under its `pnccl` twin.
+macro_rules! nccl_api {
+    ($(
+        $(#[$doc:meta])*
+        fn $name:ident / $twin:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty $body:block
+    )*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// Pointer arguments must be as NCCL documents for this function.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret $body
+
+        #[doc = concat!("[`", stringify!($name), "`] under NCCL's profiling name.")]
+        ///
+        /// # Safety
+        #[doc = concat!("As [`", stringify!($name), "`].")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $twin($($arg: $ty),*) -> $ret {
+            // SAFETY: the same contract.
+            unsafe { $name($($arg),*) }
+        }
+    )*};
+}
+
+nccl_api! {
+    /// `ncclGetVersion`: the version this library implements (2.28.0 → 22800).
+    fn ncclGetVersion / pncclGetVersion(version: *mut c_int) -> c_int {
+        api("ncclGetVersion", || {
+            if version.is_null() {
+                return Err(invalid("version is NULL"));
+            }
+            // SAFETY: non-NULL, the caller's int.
+            unsafe { *version = VERSION_CODE };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclGetUniqueId`: starts this job's rendezvous server in this process and
+    /// returns its id.
+    fn ncclGetUniqueId / pncclGetUniqueId(unique_id: *mut NcclUniqueId) -> c_int {
+        api("ncclGetUniqueId", || {
+            if unique_id.is_null() {
+                return Err(invalid("uniqueId is NULL"));
+            }
+            let id = UniqueId::new().map_err(|e| Failure::from_error(&e))?;
+            let mut out = NcclUniqueId { internal: [0; UNIQUE_ID_BYTES] };
+            for (o, b) in out.internal.iter_mut().zip(id.as_bytes()) {
+                *o = *b as c_char;
+            }
+            // SAFETY: non-NULL, the caller's ncclUniqueId.
+            unsafe { *unique_id = out };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommInitRankConfig`: joins a communicator with an `ncclConfig_t`.
+    fn ncclCommInitRankConfig / pncclCommInitRankConfig(
+        comm: *mut *mut c_void,
+        nranks: c_int,
+        comm_id: NcclUniqueId,
+        rank: c_int,
+        config: *mut c_void,
+    ) -> c_int {
+        api("ncclCommInitRankConfig", || init_rank(comm, nranks, &comm_id, rank, config))
+    }
+
+    /// `ncclCommInitRank`: joins a communicator (blocking).
+    fn ncclCommInitRank / pncclCommInitRank(
+        comm: *mut *mut c_void,
+        nranks: c_int,
+        comm_id: NcclUniqueId,
+        rank: c_int,
+    ) -> c_int {
+        api("ncclCommInitRank", || init_rank(comm, nranks, &comm_id, rank, std::ptr::null()))
+    }
+
+    /// `ncclCommInitAll`: `ndev` ranks in this process; `comm[i]` is rank `i`. The
+    /// device list is ignored: host communicators use no devices.
+    fn ncclCommInitAll / pncclCommInitAll(
+        comm: *mut *mut c_void,
+        ndev: c_int,
+        devlist: *const c_int,
+    ) -> c_int {
+        api("ncclCommInitAll", || {
+            let _ = devlist;
+            if comm.is_null() {
+                return Err(invalid("comm (the output array) is NULL"));
+            }
+            let n = usize::try_from(ndev)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| invalid(format!("ndev {ndev} must be at least 1")))?;
+            let config = CommConfig::from_env().map_err(|e| Failure::from_error(&e))?;
+            let comms = Communicator::init_all_with(n, config)
+                .map_err(|e| Failure::from_error(&e))?;
+            for (i, c) in comms.into_iter().enumerate() {
+                let (_, ptr) = CommHandle::register(Life::Ready(c.into()), false, i, n);
+                // SAFETY: the caller's array has `ndev` entries.
+                unsafe { *comm.add(i) = ptr };
+            }
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommFinalize`: after it, only `ncclCommDestroy` is allowed. Calls have all
+    /// completed when they return, so nothing is left to flush.
+    fn ncclCommFinalize / pncclCommFinalize(comm: *mut c_void) -> c_int {
+        api("ncclCommFinalize", || {
+            let handle = CommHandle::find(comm)?;
+            let c = handle.communicator()?;
+            *lock(&handle.life) = Life::Finalized(c);
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommDestroy`: releases the communicator; peers still waiting on this rank
+    /// learn that it left.
+    fn ncclCommDestroy / pncclCommDestroy(comm: *mut c_void) -> c_int {
+        api("ncclCommDestroy", || {
+            let handle = CommHandle::find(comm)?;
+            if matches!(*lock(&handle.life), Life::Initializing) {
+                return Err(Failure::new(
+                    INVALID_USAGE,
+                    "the communicator is still initialising: wait for ncclCommGetAsyncError \
+                     to leave ncclInProgress (or abort it)",
+                ));
+            }
+            CommHandle::unregister(comm);
+            *lock(&handle.life) = Life::Failed(INVALID_USAGE, "destroyed".into());
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommAbort`: stops the communicator at once (a call blocked in another
+    /// thread fails) and releases it; peers waiting on this rank fail, naming it.
+    fn ncclCommAbort / pncclCommAbort(comm: *mut c_void) -> c_int {
+        api("ncclCommAbort", || {
+            let handle = CommHandle::find(comm)?;
+            CommHandle::unregister(comm);
+            let life = std::mem::replace(
+                &mut *lock(&handle.life),
+                Life::Failed(INVALID_USAGE, "aborted".into()),
+            );
+            if let Life::Ready(c) | Life::Finalized(c) = life {
+                c.abort();
+            }
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommSplit`: ranks with the same color form a new communicator ordered by
+    /// key; `NCCL_SPLIT_NOCOLOR` (-1) takes part and gets NULL.
+    fn ncclCommSplit / pncclCommSplit(
+        comm: *mut c_void,
+        color: c_int,
+        key: c_int,
+        newcomm: *mut *mut c_void,
+        config: *mut c_void,
+    ) -> c_int {
+        api("ncclCommSplit", || {
+            let handle = CommHandle::find(comm)?;
+            if newcomm.is_null() {
+                return Err(invalid("newcomm is NULL"));
+            }
+            let color = match color {
+                -1 => None,
+                c if c >= 0 => Some(c as u32),
+                c => {
+                    return Err(invalid(format!(
+                        "color {c}: use a non-negative color or NCCL_SPLIT_NOCOLOR (-1)"
+                    )));
+                }
+            };
+            // SAFETY: NULL or the caller's initialised config.
+            let settings = unsafe { handle::read_config(config) }?;
+            let c = handle.communicator()?;
+            let out = match c.split(color, key).map_err(|e| Failure::from_error(&e))? {
+                Some(sub) => {
+                    let (rank, n) = (sub.rank(), sub.size());
+                    CommHandle::register(Life::Ready(sub.into()), settings.nonblocking, rank, n).1
+                }
+                None => std::ptr::null_mut(),
+            };
+            // SAFETY: non-NULL, the caller's ncclComm_t.
+            unsafe { *newcomm = out };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommGetAsyncError`: `ncclInProgress` while a non-blocking init runs, then
+    /// its outcome; the code of the failure once a call failed.
+    fn ncclCommGetAsyncError / pncclCommGetAsyncError(
+        comm: *mut c_void,
+        async_error: *mut c_int,
+    ) -> c_int {
+        api("ncclCommGetAsyncError", || {
+            let handle = CommHandle::find(comm)?;
+            if async_error.is_null() {
+                return Err(invalid("asyncError is NULL"));
+            }
+            // SAFETY: non-NULL, the caller's ncclResult_t.
+            unsafe { *async_error = handle.async_error() };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommCount`: the number of ranks.
+    fn ncclCommCount / pncclCommCount(comm: *const c_void, count: *mut c_int) -> c_int {
+        api("ncclCommCount", || {
+            let handle = CommHandle::find(comm)?;
+            if count.is_null() {
+                return Err(invalid("count is NULL"));
+            }
+            // SAFETY: non-NULL, the caller's int.
+            unsafe { *count = handle.nranks as c_int };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommUserRank`: this rank.
+    fn ncclCommUserRank / pncclCommUserRank(comm: *const c_void, rank: *mut c_int) -> c_int {
+        api("ncclCommUserRank", || {
+            let handle = CommHandle::find(comm)?;
+            if rank.is_null() {
+                return Err(invalid("rank is NULL"));
+            }
+            // SAFETY: non-NULL, the caller's int.
+            unsafe { *rank = handle.rank as c_int };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommCuDevice`: host communicators have no CUDA device, so this is
+    /// `ncclInvalidUsage` with a message saying so.
+    fn ncclCommCuDevice / pncclCommCuDevice(comm: *const c_void, device: *mut c_int) -> c_int {
+        api("ncclCommCuDevice", || {
+            CommHandle::find(comm)?;
+            if device.is_null() {
+                return Err(invalid("device is NULL"));
+            }
+            Err(Failure::new(
+                INVALID_USAGE,
+                "this communicator runs on host memory and has no CUDA device",
+            ))
+        })
+    }
+
+    /// `ncclGetErrorString`: the text of a result code.
+    fn ncclGetErrorString / pncclGetErrorString(result: c_int) -> *const c_char {
+        let text: &'static [u8] = match result {
+            0 => b"no error\0",
+            1 => b"unhandled cuda error (run with NCCL_DEBUG=INFO for details)\0",
+            2 => b"unhandled system error (run with NCCL_DEBUG=INFO for details)\0",
+            3 => b"internal error - please report this issue to the ferroccl developers\0",
+            4 => b"invalid argument (run with NCCL_DEBUG=WARN for details)\0",
+            5 => b"invalid usage (run with NCCL_DEBUG=WARN for details)\0",
+            6 => b"remote process exited or there was a network error\0",
+            7 => b"NCCL operation in progress\0",
+            _ => b"unknown result code\0",
+        };
+        text.as_ptr() as *const c_char
+    }
+
+    /// `ncclGetLastError`: the message of the last failed call on this thread ("" if
+    /// none); valid until the next failure on this thread.
+    fn ncclGetLastError / pncclGetLastError(comm: *mut c_void) -> *const c_char {
+        let _ = comm;
+        LAST_ERROR.with(|e| e.borrow().as_ptr())
+    }
+
+    /// `ncclCommRegister`: records a buffer (no effect on host memory beyond the
+    /// bookkeeping `ncclCommDeregister` checks).
+    fn ncclCommRegister / pncclCommRegister(
+        comm: *const c_void,
+        buff: *mut c_void,
+        size: usize,
+        handle_out: *mut *mut c_void,
+    ) -> c_int {
+        api("ncclCommRegister", || {
+            let handle = CommHandle::find(comm)?;
+            if handle_out.is_null() {
+                return Err(invalid("handle is NULL"));
+            }
+            if buff.is_null() && size > 0 {
+                return Err(invalid(format!("buff is NULL for {size} bytes")));
+            }
+            let token = Box::into_raw(Box::new(0u8)) as usize;
+            lock(&handle.registrations).insert(token, (buff as usize, size));
+            // SAFETY: non-NULL, the caller's void*.
+            unsafe { *handle_out = token as *mut c_void };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommDeregister`: releases a registration of this communicator.
+    fn ncclCommDeregister / pncclCommDeregister(comm: *const c_void, reg: *mut c_void) -> c_int {
+        api("ncclCommDeregister", || {
+            let handle = CommHandle::find(comm)?;
+            match lock(&handle.registrations).remove(&(reg as usize)) {
+                Some(_) => {
+                    // SAFETY: the token was made by Box::into_raw in ncclCommRegister and
+                    // is removed from the map, so it is freed once.
+                    drop(unsafe { Box::from_raw(reg as *mut u8) });
+                    Ok(SUCCESS)
+                }
+                None => Err(invalid(format!(
+                    "handle {reg:?} is not a registration of this communicator"
+                ))),
+            }
+        })
+    }
+
+    /// `ncclMemAlloc`: page-aligned host memory (ferroccl's buffers are host memory).
+    fn ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+        api("ncclMemAlloc", || {
+            if ptr.is_null() {
+                return Err(invalid("ptr is NULL"));
+            }
+            let layout = std::alloc::Layout::from_size_align(size.max(1), 4096)
+                .map_err(|_| invalid(format!("size {size} is too large")))?;
+            // SAFETY: the layout has a non-zero size.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            if p.is_null() {
+                return Err(Failure::new(SYSTEM_ERROR, format!("out of memory for {size} bytes")));
+            }
+            lock(allocations()).insert(p as usize, layout);
+            // SAFETY: non-NULL, the caller's void*.
+            unsafe { *ptr = p as *mut c_void };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclMemFree`: frees memory from `ncclMemAlloc` (NULL is a no-op).
+    fn ncclMemFree / pncclMemFree(ptr: *mut c_void) -> c_int {
+        api("ncclMemFree", || {
+            if ptr.is_null() {
+                return Ok(SUCCESS);
+            }
+            let layout = lock(allocations()).remove(&(ptr as usize)).ok_or_else(|| {
+                invalid(format!("{ptr:?} was not allocated by ncclMemAlloc (or is freed)"))
+            })?;
+            // SAFETY: allocated by ncclMemAlloc with this layout, and removed from the map
+            // so it is freed once.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclRedOpCreatePreMulSum`: an op summing inputs each multiplied by `*scalar`
+    /// first, for this communicator and data type.
+    fn ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
+        op: *mut c_int,
+        scalar: *mut c_void,
+        datatype: c_int,
+        residence: c_int,
+        comm: *mut c_void,
+    ) -> c_int {
+        api("ncclRedOpCreatePreMulSum", || {
+            let handle = CommHandle::find(comm)?;
+            let dtype = dtype_of(datatype)?;
+            if op.is_null() {
+                return Err(invalid("op is NULL"));
+            }
+            let made = match residence {
+                // SAFETY: the caller's scalar of `datatype` (NULL is refused inside).
+                1 => UserOp::Immediate(dtype, unsafe { read_scalar(scalar, dtype) }?),
+                0 => {
+                    // Checked now (NULL, device memory), read at every call.
+                    // SAFETY: as above.
+                    unsafe { read_scalar(scalar, dtype) }?;
+                    UserOp::AtCall(dtype, scalar as usize)
+                }
+                r => {
+                    return Err(invalid(format!(
+                        "residence {r} is neither ncclScalarDevice (0) nor \
+                         ncclScalarHostImmediate (1)"
+                    )));
+                }
+            };
+            let mut ops = lock(&handle.user_ops);
+            let index = match ops.iter().position(Option::is_none) {
+                Some(i) => {
+                    ops[i] = Some(made);
+                    i
+                }
+                None => {
+                    ops.push(Some(made));
+                    ops.len() - 1
+                }
+            };
+            // SAFETY: non-NULL, the caller's ncclRedOp_t.
+            unsafe { *op = NUM_OPS + index as c_int };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclRedOpDestroy`: releases an op made by `ncclRedOpCreatePreMulSum`.
+    fn ncclRedOpDestroy / pncclRedOpDestroy(op: c_int, comm: *mut c_void) -> c_int {
+        api("ncclRedOpDestroy", || {
+            let handle = CommHandle::find(comm)?;
+            if (0..NUM_OPS).contains(&op) {
+                return Err(invalid(format!("op {op} is built in and cannot be destroyed")));
+            }
+            let mut ops = lock(&handle.user_ops);
+            let slot = usize::try_from(op - NUM_OPS)
+                .ok()
+                .and_then(|i| ops.get_mut(i))
+                .filter(|s| s.is_some())
+                .ok_or_else(|| {
+                    invalid(format!("op {op} was not made on this communicator (or is destroyed)"))
+                })?;
+            *slot = None;
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclReduce`.
+    fn ncclReduce / pncclReduce(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        op: c_int,
+        root: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclReduce", || {
+            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+            // SAFETY: the caller's buffers, as NCCL defines them for this call.
+            unsafe {
+                collective(comm, Collective::Reduce { root }, count, datatype, Some(op),
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclBcast`: in-place broadcast.
+    fn ncclBcast / pncclBcast(
+        buff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclBcast", || {
+            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+            // SAFETY: as for ncclBroadcast with sendbuff == recvbuff.
+            unsafe {
+                collective(comm, Collective::Broadcast { root }, count, datatype, None,
+                    buff, buff, stream)
+            }
+        })
+    }
+
+    /// `ncclBroadcast`.
+    fn ncclBroadcast / pncclBroadcast(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclBroadcast", || {
+            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::Broadcast { root }, count, datatype, None,
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclAllReduce`.
+    fn ncclAllReduce / pncclAllReduce(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        op: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclAllReduce", || {
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::AllReduce, count, datatype, Some(op),
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclReduceScatter` (`recvcount` per rank).
+    fn ncclReduceScatter / pncclReduceScatter(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        recvcount: usize,
+        datatype: c_int,
+        op: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclReduceScatter", || {
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::ReduceScatter, recvcount, datatype, Some(op),
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclAllGather` (`sendcount` per rank).
+    fn ncclAllGather / pncclAllGather(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        sendcount: usize,
+        datatype: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclAllGather", || {
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::AllGather, sendcount, datatype, None,
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclAlltoAll` (NCCL 2.28): `count` elements to and from every rank.
+    fn ncclAlltoAll / pncclAlltoAll(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclAlltoAll", || {
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::AllToAll, count, datatype, None,
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclGather` (NCCL 2.28).
+    fn ncclGather / pncclGather(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclGather", || {
+            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::Gather { root }, count, datatype, None,
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclScatter` (NCCL 2.28).
+    fn ncclScatter / pncclScatter(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclScatter", || {
+            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+            // SAFETY: the caller's buffers.
+            unsafe {
+                collective(comm, Collective::Scatter { root }, count, datatype, None,
+                    sendbuff, recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclSend`.
+    fn ncclSend / pncclSend(
+        sendbuff: *const c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclSend", || {
+            let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
+            // SAFETY: the caller's buffer.
+            unsafe {
+                collective(comm, Collective::Send { peer }, count, datatype, None,
+                    sendbuff, std::ptr::null_mut(), stream)
+            }
+        })
+    }
+
+    /// `ncclRecv`.
+    fn ncclRecv / pncclRecv(
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int {
+        api("ncclRecv", || {
+            let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
+            // SAFETY: the caller's buffer.
+            unsafe {
+                collective(comm, Collective::Recv { peer }, count, datatype, None,
+                    std::ptr::null(), recvbuff, stream)
+            }
+        })
+    }
+
+    /// `ncclGroupStart`: opens a group (groups nest) on this thread.
+    fn ncclGroupStart / pncclGroupStart() -> c_int {
+        api("ncclGroupStart", || {
+            group::start();
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclGroupEnd`: closes a group; the outermost runs everything queued in it.
+    fn ncclGroupEnd / pncclGroupEnd() -> c_int {
+        api("ncclGroupEnd", group::end)
+    }
+}

@@ -1,0 +1,156 @@
+/* Bad input and misuse, each checked for its ncclResult_t and a message from
+ * ncclGetLastError naming what was wrong; plus non-blocking init, ncclMemAlloc and
+ * buffer registration. One process, one-rank communicators.
+ *
+ * usage: api_errors */
+#include "common.h"
+
+static int failures;
+
+/* Checks that `got` is `want` and the last error mentions `needle`. */
+static void expect_error(const char* what, ncclResult_t got, ncclResult_t want,
+                         const char* needle) {
+  const char* msg = ncclGetLastError(NULL);
+  if (got != want || (needle && !strstr(msg, needle))) {
+    failures++;
+    fprintf(stderr, "%s: got %d, want %d; last error \"%s\" should contain \"%s\"\n", what,
+            (int)got, (int)want, msg, needle ? needle : "");
+  } else {
+    printf("ok: %s -> %d (%s)\n", what, (int)got, msg);
+  }
+}
+
+static ncclComm_t one_rank_comm(void) {
+  ncclUniqueId id;
+  ncclComm_t comm;
+  CHECK(ncclGetUniqueId(&id));
+  CHECK(ncclCommInitRank(&comm, 1, id, 0));
+  return comm;
+}
+
+int main(void) {
+  ncclComm_t comm = one_rank_comm();
+  float a[4] = {1, 2, 3, 4}, b[4];
+  ncclUniqueId id;
+  CHECK(ncclGetUniqueId(&id));
+
+  expect_error("NULL comm", ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, NULL, NULL),
+               ncclInvalidArgument, "comm is NULL");
+  expect_error("made-up comm", ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, (ncclComm_t)a, NULL),
+               ncclInvalidArgument, "not a live communicator");
+  expect_error("data type 12", ncclAllReduce(a, b, 4, (ncclDataType_t)12, ncclSum, comm, NULL),
+               ncclInvalidArgument, "data type 12");
+  expect_error("op 9", ncclAllReduce(a, b, 4, ncclFloat32, (ncclRedOp_t)9, comm, NULL),
+               ncclInvalidArgument, "reduction op 9");
+  expect_error("op -1", ncclAllReduce(a, b, 4, ncclFloat32, (ncclRedOp_t)-1, comm, NULL),
+               ncclInvalidArgument, "reduction op -1");
+  expect_error("root 5", ncclBroadcast(a, b, 4, ncclFloat32, 5, comm, NULL),
+               ncclInvalidArgument, "root 5");
+  expect_error("root -1", ncclReduce(a, b, 4, ncclFloat32, ncclSum, -1, comm, NULL),
+               ncclInvalidArgument, "root -1");
+  expect_error("peer 1 of 1", ncclSend(a, 4, ncclFloat32, 1, comm, NULL),
+               ncclInvalidArgument, "peer 1");
+  expect_error("NULL sendbuff", ncclAllReduce(NULL, b, 4, ncclFloat32, ncclSum, comm, NULL),
+               ncclInvalidArgument, "sendbuff is NULL");
+  expect_error("NULL recvbuff", ncclAllGather(a, NULL, 4, ncclFloat32, comm, NULL),
+               ncclInvalidArgument, "recvbuff is NULL");
+  expect_error("count overflow", ncclAllReduce(a, b, SIZE_MAX / 2, ncclFloat32, ncclSum, comm, NULL),
+               ncclInvalidArgument, "overflows");
+  expect_error("a stream without CUDA",
+               ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, comm, (cudaStream_t)a),
+               ncclInvalidArgument, "no CUDA driver");
+  int device = -1;
+  expect_error("cuDevice of a host comm", ncclCommCuDevice(comm, &device), ncclInvalidUsage,
+               "no CUDA device");
+  expect_error("destroy a built-in op", ncclRedOpDestroy(ncclSum, comm), ncclInvalidArgument,
+               "built in");
+  expect_error("destroy an op never made", ncclRedOpDestroy((ncclRedOp_t)7, comm),
+               ncclInvalidArgument, "not made");
+  ncclRedOp_t op;
+  expect_error("premulsum scalar NULL",
+               ncclRedOpCreatePreMulSum(&op, NULL, ncclFloat32, ncclScalarHostImmediate, comm),
+               ncclInvalidArgument, "scalar is NULL");
+  double two = 2;
+  CHECK(ncclRedOpCreatePreMulSum(&op, &two, ncclFloat64, ncclScalarHostImmediate, comm));
+  expect_error("premulsum op on another type",
+               ncclAllReduce(a, b, 4, ncclFloat32, op, comm, NULL), ncclInvalidArgument,
+               "made for double");
+  CHECK(ncclRedOpDestroy(op, comm));
+  expect_error("op used after destroy", ncclAllReduce(a, b, 4, ncclFloat32, op, comm, NULL),
+               ncclInvalidArgument, "reduction op");
+
+  ncclComm_t c2;
+  expect_error("nranks 0", ncclCommInitRank(&c2, 0, id, 0), ncclInvalidArgument, "nranks 0");
+  expect_error("rank 3 of 2", ncclCommInitRank(&c2, 2, id, 3), ncclInvalidArgument, "rank 3");
+  expect_error("NULL comm pointer", ncclCommInitRank(NULL, 1, id, 0), ncclInvalidArgument,
+               "NULL");
+  ncclUniqueId zeros;
+  memset(&zeros, 0, sizeof zeros);
+  expect_error("all-zero unique id", ncclCommInitRank(&c2, 1, zeros, 0), ncclInvalidArgument,
+               "unique id");
+  ncclConfig_t bad = NCCL_CONFIG_INITIALIZER;
+  bad.magic = 0;
+  expect_error("config without the initializer", ncclCommInitRankConfig(&c2, 1, id, 0, &bad),
+               ncclInvalidArgument, "NCCL_CONFIG_INITIALIZER");
+
+  expect_error("group end without start", ncclGroupEnd(), ncclInvalidUsage, "without");
+  CHECK(ncclGroupStart());
+  expect_error("bad call inside a group",
+               ncclAllReduce(a, b, 4, (ncclDataType_t)99, ncclSum, comm, NULL),
+               ncclInvalidArgument, "data type 99");
+  expect_error("the group fails with it", ncclGroupEnd(), ncclInvalidArgument, "data type 99");
+
+  void* mem = NULL;
+  CHECK(ncclMemAlloc(&mem, 1 << 20));
+  if (!mem || ((uintptr_t)mem % 4096) != 0) {
+    failures++;
+    fprintf(stderr, "ncclMemAlloc gave %p\n", mem);
+  }
+  memset(mem, 1, 1 << 20);
+  CHECK(ncclMemFree(mem));
+  expect_error("free twice", ncclMemFree(mem), ncclInvalidArgument, "not allocated");
+  void* reg;
+  CHECK(ncclCommRegister(comm, a, sizeof a, &reg));
+  CHECK(ncclCommDeregister(comm, reg));
+  expect_error("deregister twice", ncclCommDeregister(comm, reg), ncclInvalidArgument,
+               "not a registration");
+
+  /* Non-blocking init: ncclInProgress, then poll until done. */
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb;
+  CHECK(ncclGetUniqueId(&id));
+  ncclResult_t r = ncclCommInitRankConfig(&nb, 1, id, 0, &cfg);
+  if (r != ncclInProgress && r != ncclSuccess) {
+    failures++;
+    fprintf(stderr, "non-blocking init returned %d\n", (int)r);
+  }
+  ncclResult_t state = ncclInProgress;
+  for (int i = 0; i < 6000 && state == ncclInProgress; i++) {
+    CHECK(ncclCommGetAsyncError(nb, &state));
+    if (state == ncclInProgress) usleep(10 * 1000);
+  }
+  if (state != ncclSuccess) {
+    failures++;
+    fprintf(stderr, "non-blocking init ended with %d: %s\n", (int)state, ncclGetLastError(NULL));
+  }
+  float x = 5;
+  CHECK(ncclAllReduce(&x, &x, 1, ncclFloat32, ncclSum, nb, NULL));
+  CHECK(ncclCommDestroy(nb));
+
+  CHECK(ncclAllReduce(a, b, 4, ncclFloat32, ncclMax, comm, NULL));
+  if (b[3] != 4) failures++;
+  CHECK(ncclCommDestroy(comm));
+  expect_error("use after destroy", ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, comm, NULL),
+               ncclInvalidArgument, "not a live communicator");
+  expect_error("destroy twice", ncclCommDestroy(comm), ncclInvalidArgument,
+               "not a live communicator");
+  if (strlen(ncclGetErrorString(ncclInvalidArgument)) == 0) failures++;
+
+  if (failures) {
+    fprintf(stderr, "%d checks failed\n", failures);
+    return 1;
+  }
+  printf("OK, every error checked\n");
+  return 0;
+}
