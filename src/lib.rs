@@ -84,6 +84,7 @@ pub mod trace;
 pub mod transport;
 pub mod tune;
 pub mod types;
+pub mod viz;
 
 pub use comm::Communicator;
 pub use error::{Error, Result};

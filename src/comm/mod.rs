@@ -162,6 +162,7 @@ impl Communicator {
     /// Builds the communicator over a rendezvous that already happened (collective:
     /// every rank of `boot` must call it).
     pub fn from_bootstrap(boot: Bootstrap, config: CommConfig) -> Result<Self> {
+        crate::trace::init_from_env();
         config.validate()?;
         let (rank, nranks) = (boot.rank(), boot.world_size());
         // Everyone plans with rank 0's cost model, so that every rank picks the same
@@ -735,6 +736,18 @@ impl Communicator {
             seq: st.seq,
             deadline: Instant::now() + self.config.timeout,
         };
+        let _span = tracing::trace_span!(
+            target: crate::trace::TRACE_TARGET,
+            "collective",
+            rank = self.rank,
+            op = name,
+            seq = st.seq,
+            bytes = raws.iter().map(|r| r.count * r.dtype.size()).sum::<usize>(),
+            algorithm = raws
+                .first()
+                .map_or("ring", |r| self.algorithm_for(r.collective, r.count * r.dtype.size()).name()),
+        )
+        .entered();
         st.seq += 1;
         let st = &mut *st;
         let plan = match &plan {
@@ -762,6 +775,20 @@ impl Communicator {
             tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
         }
         result
+    }
+
+    /// The plan this rank runs for `collective` of `count` elements of `dtype` (the
+    /// algorithm, channels and chunking it would use now), for study and for checking
+    /// traces against.
+    pub fn plan_for(&self, collective: Collective, count: usize, dtype: DataType) -> Result<Plan> {
+        self.plan_one(&RawCall {
+            collective,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            input: std::ptr::null(),
+            output: std::ptr::null_mut(),
+        })
     }
 
     fn plan_one(&self, raw: &RawCall) -> Result<Plan> {

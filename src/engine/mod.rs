@@ -78,6 +78,45 @@ struct LaneState {
     step: usize,
     /// Elements of the current step already done.
     done: usize,
+    /// When tracing: when this rank reached the current step (µs since the epoch; 0 not
+    /// yet).
+    reached_us: u64,
+}
+
+/// What a traced step record names besides the step itself.
+#[derive(Clone, Copy)]
+struct StepTrace {
+    rank: usize,
+    seq: u64,
+    lane: usize,
+}
+
+impl StepTrace {
+    /// Notes that `st` is at a step (the first time it looks at it).
+    fn reach(st: &mut LaneState) {
+        if st.reached_us == 0 {
+            st.reached_us = crate::trace::now_us();
+        }
+    }
+
+    /// Writes the record of the step `st` just finished.
+    fn finish(&self, channel: usize, step: &Step, elem: usize, st: &mut LaneState) {
+        tracing::trace!(
+            target: crate::trace::TRACE_TARGET,
+            rank = self.rank,
+            seq = self.seq,
+            lane = self.lane,
+            channel,
+            index = st.step,
+            step = step.name(),
+            from = step.recv_from().map_or(-1, |p| p as i64),
+            to = step.send_to().map_or(-1, |p| p as i64),
+            bytes = step.len() * elem,
+            start_us = st.reached_us,
+            end_us = crate::trace::now_us(),
+        );
+        st.reached_us = 0;
+    }
 }
 
 /// Runs `plan` on this rank until every lane is done, or fails.
@@ -94,6 +133,15 @@ pub unsafe fn execute(
     call: &CallInfo,
 ) -> Result<()> {
     let mut lanes = vec![LaneState::default(); plan.lanes.len()];
+    let tracing = crate::trace::tracing_steps();
+    let rank = conns.rank();
+    let trace = |lane: usize| {
+        tracing.then_some(StepTrace {
+            rank,
+            seq: call.seq,
+            lane,
+        })
+    };
     let start = Instant::now();
     let mut idle_sweeps = 0u32;
     let mut last_process_check = start;
@@ -102,8 +150,16 @@ pub unsafe fn execute(
         let mut unfinished = false;
         for (li, lane) in plan.lanes.iter().enumerate() {
             // SAFETY: forwarded from this function's contract.
-            progressed |=
-                unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns)? };
+            progressed |= unsafe {
+                advance(
+                    &lane.steps,
+                    lane.channel,
+                    &mut lanes[li],
+                    ops,
+                    conns,
+                    trace(li),
+                )?
+            };
             unfinished |= lanes[li].step < lane.steps.len();
         }
         if !unfinished {
@@ -142,7 +198,16 @@ pub unsafe fn execute(
         let mut progressed = false;
         for (li, lane) in plan.lanes.iter().enumerate() {
             // SAFETY: as above.
-            match unsafe { advance(&lane.steps, lane.channel, &mut lanes[li], ops, conns) } {
+            match unsafe {
+                advance(
+                    &lane.steps,
+                    lane.channel,
+                    &mut lanes[li],
+                    ops,
+                    conns,
+                    trace(li),
+                )
+            } {
                 Ok(p) => progressed |= p,
                 Err(e) => {
                     conns.bell().cancel_sleep();
@@ -262,13 +327,20 @@ unsafe fn advance(
     st: &mut LaneState,
     ops: &[OpBuffers],
     conns: &mut Connections,
+    trace: Option<StepTrace>,
 ) -> Result<bool> {
     let mut moved = false;
     while let Some(step) = steps.get(st.step) {
         let len = step.len();
+        if trace.is_some() {
+            StepTrace::reach(st);
+        }
         if let Step::Copy { src, dst } = *step {
             // SAFETY: regions inside their buffers by contract.
             unsafe { local_copy(ops, &src, &dst) };
+            if let Some(t) = trace {
+                t.finish(channel, step, ops[dst.op].kernel.dtype().size(), st);
+            }
             st.step += 1;
             moved = true;
             continue;
@@ -352,6 +424,9 @@ unsafe fn advance(
         }
         if st.done < len {
             return Ok(moved);
+        }
+        if let Some(t) = trace {
+            t.finish(channel, step, elem, st);
         }
         st.step += 1;
         st.done = 0;

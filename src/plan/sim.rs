@@ -181,6 +181,19 @@ pub fn simulate_with<T: Clone>(
     plans: &[Plan],
     bufs: &mut [Vec<Buffers<T>>],
     arith: &[Arith<T>],
+    after_round: impl FnMut(usize, &[Vec<Buffers<T>>]),
+) -> Result<SimReport> {
+    simulate_observed(plans, bufs, arith, |_, _| {}, after_round)
+}
+
+/// Like [`simulate_with`], also calling `on_step(event, message)` for every step as it
+/// runs, with the message it sends (if any): the values that travel, partial sums
+/// included, which no buffer holds.
+pub fn simulate_observed<T: Clone>(
+    plans: &[Plan],
+    bufs: &mut [Vec<Buffers<T>>],
+    arith: &[Arith<T>],
+    mut on_step: impl FnMut(&SimEvent, Option<&[T]>),
     mut after_round: impl FnMut(usize, &[Vec<Buffers<T>>]),
 ) -> Result<SimReport> {
     let n = plans.len();
@@ -237,15 +250,17 @@ pub fn simulate_with<T: Clone>(
                     None => None,
                 };
                 let out = execute(step, received, &mut bufs[rank], arith)?;
-                if let (Some(to), Some(msg)) = (step.send_to(), out) {
-                    sent.push(((lane.channel, rank, to), msg));
-                }
-                report.events.push(SimEvent {
+                let event = SimEvent {
                     round: report.rounds,
                     rank,
                     lane: li,
                     step: *step,
-                });
+                };
+                on_step(&event, out.as_deref());
+                if let (Some(to), Some(msg)) = (step.send_to(), out) {
+                    sent.push(((lane.channel, rank, to), msg));
+                }
+                report.events.push(event);
                 cursor[rank][li] += 1;
                 progressed = true;
             }

@@ -1,0 +1,131 @@
+//! `ferroccl-viz`: see how collectives move data, from the plans the engine runs.
+//!
+//! ```text
+//! ferroccl-viz ring --ranks 4                    # ring all-reduce, round by round
+//! ferroccl-viz ring --ranks 4 --collective reduce_scatter
+//! ferroccl-viz tree --ranks 8                    # double binary tree all-reduce
+//! ferroccl-viz all-gather --ranks 4              # also: reduce-scatter, broadcast, reduce
+//! ferroccl-viz ring --ranks 4 --html ring.html   # the same as an animated page
+//! ferroccl-viz ring --ranks 4 --values 7         # random small values (seed 7)
+//! ferroccl-viz simulate --topology topologies/this-machine.json --size 1G [--plot f.svg]
+//! ferroccl-viz trace DIR [--svg timeline.svg] [--chrome trace.json]
+//! ```
+
+use std::process::ExitCode;
+
+use ferroccl::plan::{Algorithm, Collective};
+use ferroccl::viz::{self, html};
+
+fn usage() -> &'static str {
+    "usage:\n  ferroccl-viz ring|tree|reduce-scatter|all-gather|broadcast|reduce --ranks N \
+     [--collective NAME] [--root R] [--values SEED] [--html FILE]\n  ferroccl-viz simulate \
+     --topology FILE.json [--size BYTES] [--plot FILE.svg]\n  ferroccl-viz trace DIR \
+     [--svg FILE] [--chrome FILE]"
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferroccl-viz: {e}\n{}", usage());
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// `--name value` options after the subcommand.
+fn options(args: &[String]) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let name = a
+            .strip_prefix("--")
+            .ok_or_else(|| format!("unexpected argument {a:?}"))?;
+        let value = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
+        out.push((name.to_string(), value.clone()));
+    }
+    Ok(out)
+}
+
+fn run(args: &[String]) -> Result<(), String> {
+    let Some(cmd) = args.first() else {
+        return Err("no command".into());
+    };
+    match cmd.as_str() {
+        "-h" | "--help" => {
+            println!("{}", usage());
+            Ok(())
+        }
+        "simulate" => ferroccl::viz::predict::command(&options(&args[1..])?),
+        "trace" => {
+            let dir = args.get(1).ok_or("trace needs a directory or file")?;
+            ferroccl::viz::timeline::command(dir, &options(&args[2..])?)
+        }
+        _ => table_command(cmd, &options(&args[1..])?),
+    }
+}
+
+fn table_command(cmd: &str, opts: &[(String, String)]) -> Result<(), String> {
+    let get = |k: &str| {
+        opts.iter()
+            .rev()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    };
+    for (k, _) in opts {
+        if !["ranks", "collective", "root", "values", "html"].contains(&k.as_str()) {
+            return Err(format!("unknown option --{k}"));
+        }
+    }
+    let ranks: usize = get("ranks")
+        .unwrap_or("4")
+        .parse()
+        .map_err(|_| "--ranks needs a number")?;
+    let root: usize = get("root")
+        .unwrap_or("0")
+        .parse()
+        .map_err(|_| "--root needs a number")?;
+    if root >= ranks {
+        return Err(format!("--root {root} is not one of the {ranks} ranks"));
+    }
+    let (default, algorithm) = match cmd {
+        "ring" => ("all_reduce", Algorithm::Ring),
+        "tree" => ("all_reduce", Algorithm::Tree),
+        "reduce-scatter" => ("reduce_scatter", Algorithm::Ring),
+        "all-gather" => ("all_gather", Algorithm::Ring),
+        "broadcast" => ("broadcast", Algorithm::Ring),
+        "reduce" => ("reduce", Algorithm::Ring),
+        other => return Err(format!("unknown command {other:?}")),
+    };
+    let collective = viz::collective_named(get("collective").unwrap_or(default), root)
+        .map_err(|e| e.to_string())?;
+    let table = match get("values") {
+        None => viz::step_table(collective, algorithm, ranks),
+        Some(seed) => {
+            let seed: u64 = seed
+                .parse()
+                .map_err(|_| "--values needs a seed (a number)")?;
+            viz::step_table_with(collective, algorithm, ranks, &|r, c| {
+                // A small deterministic hash of (seed, rank, chunk): values 1..=99.
+                let mut x = seed ^ ((r as u64) << 32) ^ c as u64;
+                x = x.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                x ^= x >> 29;
+                1 + (x % 99) as i64
+            })
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    print!("{}", table.render_text());
+    if collective.is_reducing() || matches!(collective, Collective::AllGather) {
+        print!(
+            "{}",
+            viz::bytes_summary(collective, algorithm, ranks).map_err(|e| e.to_string())?
+        );
+    }
+    if let Some(path) = get("html") {
+        std::fs::write(path, html::page(&table)).map_err(|e| format!("write {path}: {e}"))?;
+        println!("\nwrote {path}");
+    }
+    Ok(())
+}
