@@ -62,9 +62,9 @@ const PAGE: &str = r##"<!DOCTYPE html>
 <body data-round="0">
 <h2 id="title"></h2>
 <div id="controls">
-  <button id="back" title="previous round">&#9198; back</button>
+  <button id="back" title="previous round">&#9664; back</button>
   <button id="play" title="play / pause">&#9654; play</button>
-  <button id="step" title="next round">step &#9197;</button>
+  <button id="step" title="next round">step &#9654;&#9654;</button>
   <label>speed <input id="speed" type="range" min="1" max="10" value="3"></label>
   <span>round <b id="round"></b> / <span id="last"></span></span>
   <span id="phase"></span>
