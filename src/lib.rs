@@ -72,10 +72,12 @@
 pub mod bootstrap;
 pub mod capi;
 pub mod comm;
+pub mod ddp;
 pub mod engine;
 pub mod error;
 pub mod launch;
 pub mod perf;
+pub mod pg;
 pub mod plan;
 pub mod reduce;
 pub mod store;

@@ -255,6 +255,12 @@ impl Communicator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The store of this communicator's rendezvous (a prefix of the job's), for layers
+    /// that keep their own keys next to it.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.boot.store().clone()
+    }
+
     /// The first error this communicator failed with, if it has (`ncclCommGetAsyncError`).
     pub fn failure(&self) -> Option<String> {
         self.lock().failure.clone()
@@ -263,12 +269,22 @@ impl Communicator {
     /// Aborts the communicator (`ncclCommAbort`): later calls fail, and peers waiting on
     /// this rank fail at once with an error naming it.
     pub fn abort(&self) {
+        self.close_now(Closed::ByOwner, ABORTED_BY_USER.into());
+    }
+
+    /// Aborts because `rank` is at fault (a watchdog's verdict): peers learn that
+    /// `rank` failed, as if this rank had seen it fail.
+    pub fn abort_blaming(&self, rank: usize, reason: &str) {
+        self.close_now(Closed::PeerFailed(rank), reason.to_string());
+    }
+
+    fn close_now(&self, why: Closed, reason: String) {
         // First wake a call running in another thread (it holds the state), so that it
         // fails now rather than at its deadline.
-        self.abort_bell.close(Closed::ByOwner);
+        self.abort_bell.close(why);
         let mut st = self.lock();
-        st.failure.get_or_insert_with(|| ABORTED_BY_USER.into());
-        st.conns.close(Closed::ByOwner);
+        st.failure.get_or_insert(reason);
+        st.conns.close(why);
     }
 
     /// Destroys the communicator (`ncclCommDestroy`): waits for its asynchronous calls to

@@ -1,0 +1,284 @@
+//! Data-parallel training, framework-neutral: every rank holds the same model, trains on
+//! its own shard of each batch, and gradients are averaged across ranks so every rank
+//! takes the same step.
+//!
+//! A model exposes its parameters and gradients as flat `f32` slices
+//! ([`Parameters`]). The [`Reducer`] assigns them to buckets in reverse registration
+//! order (the order backward produces gradients), the first bucket small (1 MiB) and the
+//! rest large (25 MiB), as PyTorch's DDP does. The backward pass calls
+//! [`Reducer::mark_ready`] as each gradient is done; a bucket whose gradients are all in
+//! starts its all-reduce at once, on the group's progress thread, while backward goes
+//! on. [`Reducer::finish`] waits for the buckets, divides by the world size and writes
+//! the averages back. Parameters are broadcast from rank 0 at the start; `no_sync`
+//! accumulates gradients locally; an optional bf16 hook halves the bytes sent.
+//! [`DistributedSampler`] splits a data set into disjoint per-rank shards.
+
+mod sampler;
+
+pub use sampler::DistributedSampler;
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::pg::{ProcessGroup, Work};
+use crate::types::ReduceOp;
+
+/// A model's parameters and their gradients, as flat slices in registration order.
+pub trait Parameters {
+    /// Number of parameter tensors.
+    fn count(&self) -> usize;
+    /// Parameter `i`.
+    fn param(&mut self, i: usize) -> &mut [f32];
+    /// Gradient of parameter `i` (same length).
+    fn grad(&mut self, i: usize) -> &mut [f32];
+}
+
+/// How gradients travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// As `f32`.
+    None,
+    /// Rounded to bfloat16 for the all-reduce (PyTorch's `bf16_compress_hook`).
+    Bf16,
+}
+
+/// Reducer settings.
+#[derive(Clone, Debug)]
+pub struct ReducerOptions {
+    /// Bytes of the first bucket (the last layers' gradients; PyTorch: 1 MiB).
+    pub first_bucket_bytes: usize,
+    /// Bytes of the other buckets (PyTorch: 25 MiB).
+    pub bucket_bytes: usize,
+    /// Start a bucket's all-reduce as soon as it is full (true), or only in
+    /// [`Reducer::finish`] (false: no overlap, for comparison).
+    pub overlap: bool,
+    /// Gradient compression.
+    pub compression: Compression,
+}
+
+impl Default for ReducerOptions {
+    fn default() -> Self {
+        ReducerOptions {
+            first_bucket_bytes: 1 << 20,
+            bucket_bytes: 25 << 20,
+            overlap: true,
+            compression: Compression::None,
+        }
+    }
+}
+
+/// A bucket's all-reduce in flight.
+enum InFlight {
+    F32(Work<Vec<f32>>),
+    Bf16(Work<Vec<half::bf16>>),
+}
+
+struct Bucket {
+    /// Parameters in it, with their offsets.
+    params: Vec<(usize, usize)>,
+    data: Vec<f32>,
+    missing: usize,
+    flight: Option<InFlight>,
+}
+
+/// Where one parameter's gradient goes.
+#[derive(Clone, Copy)]
+struct Slot {
+    bucket: usize,
+    offset: usize,
+    len: usize,
+}
+
+/// Time spent in a step's communication, as the training loop sees it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTimes {
+    /// Time [`Reducer::finish`] waited for all-reduces (communication not hidden by
+    /// backward).
+    pub exposed_comm: Duration,
+}
+
+/// Buckets gradients and all-reduces them, overlapped with backward.
+pub struct Reducer<'g> {
+    pg: &'g ProcessGroup,
+    options: ReducerOptions,
+    slots: Vec<Slot>,
+    buckets: Vec<Bucket>,
+    ready: Vec<bool>,
+    no_sync: bool,
+}
+
+impl<'g> Reducer<'g> {
+    /// Buckets parameters of the given lengths (registration order) for `pg`.
+    pub fn new(pg: &'g ProcessGroup, lengths: &[usize], options: ReducerOptions) -> Result<Self> {
+        if options.first_bucket_bytes < 4 || options.bucket_bytes < 4 {
+            return Err(Error::invalid("bucket sizes must hold at least one f32"));
+        }
+        let mut slots = vec![
+            Slot {
+                bucket: 0,
+                offset: 0,
+                len: 0
+            };
+            lengths.len()
+        ];
+        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut cap = options.first_bucket_bytes / 4;
+        // Reverse registration order: the order backward produces gradients in.
+        for i in (0..lengths.len()).rev() {
+            let len = lengths[i];
+            let start_new = match buckets.last() {
+                None => true,
+                Some(b) => !b.data.is_empty() && b.data.len() + len > cap,
+            };
+            if start_new {
+                if !buckets.is_empty() {
+                    cap = options.bucket_bytes / 4;
+                }
+                buckets.push(Bucket {
+                    params: Vec::new(),
+                    data: Vec::new(),
+                    missing: 0,
+                    flight: None,
+                });
+            }
+            let b = buckets.len() - 1;
+            let bucket = &mut buckets[b];
+            slots[i] = Slot {
+                bucket: b,
+                offset: bucket.data.len(),
+                len,
+            };
+            bucket.params.push((i, bucket.data.len()));
+            bucket.data.resize(bucket.data.len() + len, 0.0);
+        }
+        for b in &mut buckets {
+            b.missing = b.params.len();
+        }
+        Ok(Reducer {
+            pg,
+            options,
+            slots,
+            buckets,
+            ready: vec![false; lengths.len()],
+            no_sync: false,
+        })
+    }
+
+    /// The buckets: for each, the parameters it holds (in the order they arrive).
+    pub fn bucket_layout(&self) -> Vec<Vec<usize>> {
+        self.buckets
+            .iter()
+            .map(|b| b.params.iter().map(|&(p, _)| p).collect())
+            .collect()
+    }
+
+    /// Makes every rank's parameters rank 0's (call once, before training).
+    pub fn broadcast_parameters(&self, model: &mut impl Parameters) -> Result<()> {
+        let works = (0..model.count())
+            .map(|i| self.pg.broadcast(model.param(i).to_vec(), 0))
+            .collect::<Result<Vec<_>>>()?;
+        for (i, w) in works.into_iter().enumerate() {
+            model.param(i).copy_from_slice(&w.wait()?);
+        }
+        Ok(())
+    }
+
+    /// While on, gradients are not synchronised: backward accumulates into the model's
+    /// gradients, and the step after `no_sync(false)` averages the accumulated sums.
+    pub fn no_sync(&mut self, on: bool) {
+        self.no_sync = on;
+    }
+
+    /// Gradient `param` is final for this step (call from backward, last layer first).
+    pub fn mark_ready(&mut self, param: usize, grad: &[f32]) -> Result<()> {
+        if self.no_sync {
+            return Ok(());
+        }
+        let slot = *self
+            .slots
+            .get(param)
+            .ok_or_else(|| Error::invalid(format!("mark_ready: no parameter {param}")))?;
+        if grad.len() != slot.len {
+            return Err(Error::invalid(format!(
+                "mark_ready: parameter {param} has {} elements, the gradient {}",
+                slot.len,
+                grad.len()
+            )));
+        }
+        if std::mem::replace(&mut self.ready[param], true) {
+            return Err(Error::invalid(format!(
+                "mark_ready: parameter {param} marked twice in one step"
+            )));
+        }
+        let bucket = &mut self.buckets[slot.bucket];
+        bucket.data[slot.offset..slot.offset + slot.len].copy_from_slice(grad);
+        bucket.missing -= 1;
+        if bucket.missing == 0 && self.options.overlap {
+            self.launch(slot.bucket)?;
+        }
+        Ok(())
+    }
+
+    fn launch(&mut self, b: usize) -> Result<()> {
+        let bucket = &mut self.buckets[b];
+        let data = std::mem::take(&mut bucket.data);
+        bucket.flight = Some(match self.options.compression {
+            Compression::None => InFlight::F32(self.pg.all_reduce(data, ReduceOp::Sum)?),
+            Compression::Bf16 => {
+                let packed: Vec<half::bf16> =
+                    data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                // The f32 buffer is kept for the unpacked result.
+                bucket.data = data;
+                InFlight::Bf16(self.pg.all_reduce(packed, ReduceOp::Sum)?)
+            }
+        });
+        Ok(())
+    }
+
+    /// Ends the step: waits for every bucket, divides by the world size and writes the
+    /// averaged gradients into the model. With `no_sync` on, does nothing.
+    pub fn finish(&mut self, model: &mut impl Parameters) -> Result<StepTimes> {
+        if self.no_sync {
+            return Ok(StepTimes::default());
+        }
+        if let Some(p) = self.ready.iter().position(|r| !r) {
+            let unready: Vec<usize> = (p..self.ready.len()).filter(|&i| !self.ready[i]).collect();
+            return Err(Error::invalid(format!(
+                "finish: parameters {unready:?} were never marked ready in this step (every \
+                 gradient must reach the reducer, or ranks would wait for each other)"
+            )));
+        }
+        if !self.options.overlap {
+            for b in 0..self.buckets.len() {
+                self.launch(b)?;
+            }
+        }
+        let start = Instant::now();
+        let scale = 1.0 / self.pg.size() as f32;
+        for bucket in &mut self.buckets {
+            match bucket.flight.take() {
+                Some(InFlight::F32(w)) => bucket.data = w.wait()?,
+                Some(InFlight::Bf16(w)) => {
+                    for (d, x) in bucket.data.iter_mut().zip(w.wait()?) {
+                        *d = x.to_f32();
+                    }
+                }
+                None => return Err(Error::invalid("finish: a bucket was never launched")),
+            }
+            for x in &mut bucket.data {
+                *x *= scale;
+            }
+            for &(p, offset) in &bucket.params {
+                let len = self.slots[p].len;
+                model
+                    .grad(p)
+                    .copy_from_slice(&bucket.data[offset..offset + len]);
+            }
+            bucket.missing = bucket.params.len();
+        }
+        self.ready.iter_mut().for_each(|r| *r = false);
+        Ok(StepTimes {
+            exposed_comm: start.elapsed(),
+        })
+    }
+}

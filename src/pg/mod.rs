@@ -1,0 +1,547 @@
+//! The layer PyTorch users know: a [`ProcessGroup`] whose collectives return a [`Work`]
+//! handle at once and run in order on the group's progress thread (so computation can
+//! overlap communication), sub-groups and [`DeviceMesh`], a flight recorder of recent
+//! calls, a watchdog that turns hangs into diagnoses, and an optional desync check.
+//!
+//! - **Work**: `wait()`, `wait_timeout(d)`, `is_completed()`, `is_success()`,
+//!   `exception()`.
+//! - **Watchdog**: a thread per group. A call running longer than the group's timeout
+//!   makes it dump the [flight recorder](recorder) (to `FERROCCL_FR_DUMP_DIR`, default
+//!   the system temp directory, one file per rank, and the log), ask every rank through
+//!   the store to dump theirs, fail the call's `Work` with an error naming the ranks that
+//!   had not reached that sequence number, and abort the communicator. Every rank's
+//!   watchdog publishes how far its rank has got, so even a rank that stopped calling
+//!   collectives is named, and dumps.
+//! - **Desync check** (`FERROCCL_DESYNC_DEBUG=1`): before each collective every rank
+//!   publishes what it is about to call, and a mismatch is an error naming the ranks
+//!   and both calls, not a hang.
+
+pub mod mesh;
+pub mod recorder;
+mod watchdog;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use mesh::DeviceMesh;
+use recorder::{Entry, FlightRecorder};
+
+use crate::comm::{CommConfig, Communicator};
+use crate::engine::progress::Pending;
+use crate::error::{Error, Result};
+use crate::store::{PrefixStore, Store};
+use crate::types::{Element, ReduceOp};
+
+/// Settings of a process group.
+#[derive(Clone, Debug)]
+pub struct PgOptions {
+    /// A call running longer than this is a hang: the watchdog steps in
+    /// (`FERROCCL_PG_TIMEOUT`, seconds; default 600).
+    pub timeout: Duration,
+    /// Check before each collective that every rank calls the same one
+    /// (`FERROCCL_DESYNC_DEBUG=1`).
+    pub desync_debug: bool,
+    /// Calls the flight recorder keeps (`FERROCCL_FR_ENTRIES`; default 2000).
+    pub recorder_entries: usize,
+    /// Where dumps go (`FERROCCL_FR_DUMP_DIR`; default the system temp directory).
+    pub dump_dir: std::path::PathBuf,
+}
+
+impl Default for PgOptions {
+    fn default() -> Self {
+        PgOptions {
+            timeout: Duration::from_secs(600),
+            desync_debug: false,
+            recorder_entries: 2000,
+            dump_dir: std::env::temp_dir(),
+        }
+    }
+}
+
+impl PgOptions {
+    /// Defaults with the environment variables applied.
+    pub fn from_env() -> Result<Self> {
+        let mut o = PgOptions::default();
+        let number = |var: &str| -> Result<Option<f64>> {
+            match std::env::var(var) {
+                Ok(t) => t
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .map(Some)
+                    .ok_or_else(|| Error::Env {
+                        var: var.into(),
+                        detail: format!("{t:?} is not a positive number"),
+                    }),
+                Err(_) => Ok(None),
+            }
+        };
+        if let Some(v) = number("FERROCCL_PG_TIMEOUT")? {
+            o.timeout = Duration::from_secs_f64(v);
+        }
+        if let Some(v) = number("FERROCCL_FR_ENTRIES")? {
+            o.recorder_entries = v as usize;
+        }
+        o.desync_debug = std::env::var("FERROCCL_DESYNC_DEBUG")
+            .is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false"));
+        if let Some(d) = std::env::var_os("FERROCCL_FR_DUMP_DIR") {
+            o.dump_dir = d.into();
+        }
+        Ok(o)
+    }
+}
+
+/// What a group shares with its watchdog and its calls.
+struct Inner {
+    comm: Arc<Communicator>,
+    name: String,
+    store: Arc<dyn Store>,
+    options: PgOptions,
+    /// Sequence number of the next collective.
+    seq: AtomicU64,
+    recorder: FlightRecorder,
+    /// Sub-groups made so far (names them).
+    subgroups: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// A group of ranks running collectives asynchronously, in order.
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("name", &self.inner.name)
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The handle of an asynchronous collective: its result (the buffer, handed back) once
+/// it has run.
+pub struct Work<R> {
+    pending: Option<Pending<R>>,
+    done: Option<Result<R>>,
+    entry: Arc<Entry>,
+    rank: usize,
+}
+
+impl<R> Work<R> {
+    fn settle(&mut self, r: Result<R>) {
+        // A call the watchdog gave up on reports the watchdog's diagnosis, not the
+        // abort that ended it.
+        self.done = Some(match (r, self.entry.watchdog_error(self.rank)) {
+            (Err(_), Some(e)) => Err(e),
+            (r, _) => r,
+        });
+    }
+
+    fn poll(&mut self, wait: Duration) {
+        if let Some(p) = self.pending.take() {
+            match p.wait_timeout(wait) {
+                Ok(r) => self.settle(r),
+                Err(p) => self.pending = Some(p),
+            }
+        }
+    }
+
+    /// Whether the call has finished (successfully or not).
+    pub fn is_completed(&mut self) -> bool {
+        self.poll(Duration::ZERO);
+        self.done.is_some()
+    }
+
+    /// Whether the call finished successfully (false while it runs).
+    pub fn is_success(&mut self) -> bool {
+        self.poll(Duration::ZERO);
+        matches!(self.done, Some(Ok(_)))
+    }
+
+    /// The error the call failed with, if it has.
+    pub fn exception(&mut self) -> Option<String> {
+        self.poll(Duration::ZERO);
+        match &self.done {
+            Some(Err(e)) => Some(e.to_string()),
+            _ => None,
+        }
+    }
+
+    /// Waits for the call; its result.
+    pub fn wait(mut self) -> Result<R> {
+        if let Some(p) = self.pending.take() {
+            let r = p.wait();
+            self.settle(r);
+        }
+        self.done.take().expect("settled above")
+    }
+
+    /// Waits at most `timeout`: `Ok(result)` if the call finished, `Err(self)` if it
+    /// is still running.
+    // The handle itself comes back in `Err`, as with `Pending::wait_timeout`; boxing it
+    // would cost an allocation per call for a path that is rarely taken.
+    #[allow(clippy::result_large_err)]
+    pub fn wait_timeout(mut self, timeout: Duration) -> std::result::Result<Result<R>, Self> {
+        self.poll(timeout);
+        match self.done.take() {
+            Some(r) => Ok(r),
+            None => Err(self),
+        }
+    }
+
+    /// The call's sequence number in its group.
+    pub fn seq(&self) -> u64 {
+        self.entry.seq
+    }
+}
+
+/// What a collective call is, for the recorder and the desync check.
+struct Call {
+    op: &'static str,
+    dtype: String,
+    count: usize,
+    peer: Option<usize>,
+    reduce: Option<ReduceOp>,
+}
+
+impl Call {
+    fn signature(&self) -> String {
+        let mut s = format!("{}(count {}, {}", self.op, self.count, self.dtype);
+        if let Some(op) = self.reduce {
+            s += &format!(", {}", op.name());
+        }
+        if let Some(p) = self.peer {
+            s += &format!(", root {p}");
+        }
+        s + ")"
+    }
+}
+
+impl ProcessGroup {
+    /// The default group over a rendezvous store (`init_process_group`): `rank` of
+    /// `size`, settings from the environment.
+    pub fn init(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        options: PgOptions,
+    ) -> Result<Self> {
+        let config = comm_config(&options)?;
+        let boot = crate::bootstrap::Bootstrap::new(
+            Arc::new(PrefixStore::new("pg/default", store)),
+            rank,
+            size,
+            &config.bootstrap,
+        )?;
+        Self::from_communicator(
+            Communicator::from_bootstrap(boot, config)?,
+            "default",
+            options,
+        )
+    }
+
+    /// The default group from the launcher's environment (`env://`: ferrorun, torchrun,
+    /// Slurm, Open MPI).
+    pub fn init_from_env(options: PgOptions) -> Result<Self> {
+        let comm = Communicator::from_env_with(comm_config(&options)?)?;
+        Self::from_communicator(comm, "default", options)
+    }
+
+    /// A group over an existing communicator (for example one of
+    /// [`Communicator::init_all`]'s).
+    pub fn from_communicator(comm: Communicator, name: &str, options: PgOptions) -> Result<Self> {
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("pg/{name}"), comm.store()));
+        let inner = Arc::new(Inner {
+            comm: Arc::new(comm),
+            name: name.to_string(),
+            store,
+            recorder: FlightRecorder::new(options.recorder_entries),
+            options,
+            seq: AtomicU64::new(0),
+            subgroups: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let handle = watchdog::start(inner.clone())?;
+        Ok(ProcessGroup {
+            inner,
+            watchdog: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.comm.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.comm.size()
+    }
+
+    /// The group's name (`default`, or `default/g0`, … for sub-groups).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The flight recorder.
+    pub fn recorder(&self) -> &FlightRecorder {
+        &self.inner.recorder
+    }
+
+    /// The communicator underneath.
+    pub fn communicator(&self) -> &Arc<Communicator> {
+        &self.inner.comm
+    }
+
+    /// Splits the group (collective over it): ranks with the same `color` form a new
+    /// group ordered by `key`; `None` takes part without joining one.
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<ProcessGroup>> {
+        let n = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
+        let name = format!("{}/g{n}", self.inner.name);
+        match self.inner.comm.split(color, key)? {
+            Some(c) => Self::from_communicator(c, &name, self.inner.options.clone()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// A group of `ranks` (`new_group`): collective over this group; ranks not listed
+    /// get `None`. Ranks are numbered in the order listed.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let mut seen = vec![false; self.size()];
+        for &r in ranks {
+            if r >= self.size() || std::mem::replace(&mut seen[r], true) {
+                return Err(Error::invalid(format!(
+                    "new_group: {ranks:?} must list distinct ranks below {}",
+                    self.size()
+                )));
+            }
+        }
+        let position = ranks.iter().position(|&r| r == self.rank());
+        self.split(position.map(|_| 0), position.unwrap_or(0) as i32)
+    }
+
+    /// Issues a collective on the progress thread.
+    fn issue<R: Send + 'static>(
+        &self,
+        call: Call,
+        run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<Work<R>> {
+        let seq = self.inner.seq.fetch_add(1, Ordering::SeqCst);
+        if self.inner.options.desync_debug {
+            watchdog::check_desync(&self.inner, seq, &call.signature())?;
+        }
+        let entry = self
+            .inner
+            .recorder
+            .schedule(seq, call.op, call.dtype, call.count, call.peer);
+        let e = entry.clone();
+        let pending = self.inner.comm.submit(move |c| {
+            e.start();
+            let r = run(c);
+            e.finish(r.is_ok());
+            r
+        })?;
+        Ok(Work {
+            pending: Some(pending),
+            done: None,
+            entry,
+            rank: self.rank(),
+        })
+    }
+
+    /// In-place all-reduce of `buf`, handed back by [`Work::wait`].
+    pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Work<Vec<T>>> {
+        let call = Call {
+            op: "all_reduce",
+            dtype: T::DTYPE.name().into(),
+            count: buf.len(),
+            peer: None,
+            reduce: Some(op),
+        };
+        self.issue(call, move |c| {
+            c.all_reduce_in_place(&mut buf, op).map(|()| buf)
+        })
+    }
+
+    /// In-place broadcast from `root`.
+    pub fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
+        let call = Call {
+            op: "broadcast",
+            dtype: T::DTYPE.name().into(),
+            count: buf.len(),
+            peer: Some(root),
+            reduce: None,
+        };
+        self.issue(call, move |c| {
+            c.broadcast_in_place(&mut buf, root).map(|()| buf)
+        })
+    }
+
+    /// In-place reduce to `root` (other ranks' buffers are left as they were).
+    pub fn reduce<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Work<Vec<T>>> {
+        let call = Call {
+            op: "reduce",
+            dtype: T::DTYPE.name().into(),
+            count: buf.len(),
+            peer: Some(root),
+            reduce: Some(op),
+        };
+        self.issue(call, move |c| {
+            c.reduce_in_place(&mut buf, op, root).map(|()| buf)
+        })
+    }
+
+    /// Every rank's `send`, concatenated by rank.
+    pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Result<Work<Vec<T>>> {
+        let n = self.size();
+        let call = Call {
+            op: "all_gather",
+            dtype: T::DTYPE.name().into(),
+            count: send.len(),
+            peer: None,
+            reduce: None,
+        };
+        self.issue(call, move |c| {
+            let mut out = send.clone();
+            out.resize(
+                send.len() * n,
+                send.first().copied().unwrap_or_else(|| T::from_f64(0.0)),
+            );
+            c.all_gather(&send, &mut out).map(|()| out)
+        })
+    }
+
+    /// Block `rank` of the reduction of every rank's `send` (`send.len()` must be a
+    /// multiple of the group size).
+    pub fn reduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Result<Work<Vec<T>>> {
+        let n = self.size();
+        if !send.len().is_multiple_of(n) {
+            return Err(Error::invalid(format!(
+                "reduce_scatter: {} elements do not split into {n} equal blocks",
+                send.len()
+            )));
+        }
+        let call = Call {
+            op: "reduce_scatter",
+            dtype: T::DTYPE.name().into(),
+            count: send.len() / n,
+            peer: None,
+            reduce: Some(op),
+        };
+        self.issue(call, move |c| {
+            let mut out = send[..send.len() / n].to_vec();
+            c.reduce_scatter(&send, &mut out, op).map(|()| out)
+        })
+    }
+
+    /// Block `j` of this rank's `send` goes to rank `j`; block `i` of the result came
+    /// from rank `i`.
+    pub fn all_to_all<T: Element>(&self, send: Vec<T>) -> Result<Work<Vec<T>>> {
+        let n = self.size();
+        if !send.len().is_multiple_of(n) {
+            return Err(Error::invalid(format!(
+                "all_to_all: {} elements do not split into {n} equal blocks",
+                send.len()
+            )));
+        }
+        let call = Call {
+            op: "all_to_all",
+            dtype: T::DTYPE.name().into(),
+            count: send.len() / n,
+            peer: None,
+            reduce: None,
+        };
+        self.issue(call, move |c| {
+            let mut out = send.clone();
+            c.all_to_all(&send, &mut out).map(|()| out)
+        })
+    }
+
+    /// Sends `buf` to `peer` (handed back when sent).
+    pub fn send<T: Element>(&self, buf: Vec<T>, peer: usize) -> Result<Work<Vec<T>>> {
+        let call = Call {
+            op: "send",
+            dtype: T::DTYPE.name().into(),
+            count: buf.len(),
+            peer: Some(peer),
+            reduce: None,
+        };
+        self.issue(call, move |c| c.send(&buf, peer).map(|()| buf))
+    }
+
+    /// Receives into `buf` from `peer`.
+    pub fn recv<T: Element>(&self, mut buf: Vec<T>, peer: usize) -> Result<Work<Vec<T>>> {
+        let call = Call {
+            op: "recv",
+            dtype: T::DTYPE.name().into(),
+            count: buf.len(),
+            peer: Some(peer),
+            reduce: None,
+        };
+        self.issue(call, move |c| c.recv(&mut buf, peer).map(|()| buf))
+    }
+
+    /// Waits until every rank of the group has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.all_reduce(vec![0u8], ReduceOp::Sum)?
+            .wait()
+            .map(|_| ())
+    }
+
+    /// Aborts the group: running and later calls fail at once, and peers waiting on
+    /// this rank fail naming it.
+    pub fn abort(&self) {
+        self.inner.comm.abort();
+    }
+
+    /// Finishes the calls issued so far and releases the group.
+    pub fn destroy(self) -> Result<()> {
+        self.shutdown_watchdog();
+        let inner = self.inner.clone();
+        drop(self);
+        match Arc::try_unwrap(inner) {
+            Ok(inner) => match Arc::try_unwrap(inner.comm) {
+                Ok(comm) => comm.destroy(),
+                Err(_) => Ok(()),
+            },
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn shutdown_watchdog(&self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.shutdown_watchdog();
+    }
+}
+
+/// The communicator settings of a group: from the environment, with the engine's own
+/// deadline well past the watchdog's so the watchdog diagnoses hangs first.
+fn comm_config(options: &PgOptions) -> Result<CommConfig> {
+    let mut c = CommConfig::from_env()?;
+    c.timeout = c.timeout.max(options.timeout * 2 + Duration::from_secs(10));
+    Ok(c)
+}
