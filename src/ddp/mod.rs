@@ -13,6 +13,7 @@
 //! accumulates gradients locally; an optional bf16 hook halves the bytes sent.
 //! [`DistributedSampler`] splits a data set into disjoint per-rank shards.
 
+pub mod mlp;
 mod sampler;
 
 pub use sampler::DistributedSampler;
