@@ -40,6 +40,16 @@ fn work_waits_times_out_and_reports_failures() {
         let d = pg.reduce_scatter(vec![r + 1; 6], ReduceOp::Max).unwrap();
         let e = pg.all_to_all((0..3).map(|j| r * 10 + j).collect()).unwrap();
         assert_eq!((a.seq(), e.seq()), (0, 4));
+        let g = pg.gather(vec![r + 5], 1).unwrap();
+        let root_data: Vec<i64> = if r == 0 {
+            vec![7, 8, 9, 10, 11, 12]
+        } else {
+            Vec::new()
+        };
+        let sc = pg.scatter(root_data, 2, 0).unwrap();
+        let (g, sc) = (g.wait().unwrap(), sc.wait().unwrap());
+        assert_eq!(g, if r == 1 { vec![5, 6, 7] } else { vec![] });
+        assert_eq!(sc, vec![7 + 2 * r, 8 + 2 * r]);
         (
             a.wait().unwrap(),
             b.wait().unwrap(),

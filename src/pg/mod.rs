@@ -468,6 +468,55 @@ impl ProcessGroup {
         })
     }
 
+    /// Every rank's `send`, concatenated by rank, on `root` (other ranks get an empty
+    /// vector).
+    pub fn gather<T: Element>(&self, send: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
+        let (n, me) = (self.size(), self.rank());
+        let call = Call {
+            op: "gather",
+            dtype: T::DTYPE.name().into(),
+            count: send.len(),
+            peer: Some(root),
+            reduce: None,
+        };
+        self.issue(call, move |c| {
+            let mut out = if me == root {
+                send.repeat(n)
+            } else {
+                Vec::new()
+            };
+            c.gather(&send, &mut out, root).map(|()| out)
+        })
+    }
+
+    /// Block `r` of `root`'s `send` (`count` elements each) to every rank `r`; other
+    /// ranks' `send` is not read.
+    pub fn scatter<T: Element>(
+        &self,
+        send: Vec<T>,
+        count: usize,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        if self.rank() == root && send.len() != count * self.size() {
+            return Err(Error::invalid(format!(
+                "scatter: the root's {} elements are not {count} for each of {} ranks",
+                send.len(),
+                self.size()
+            )));
+        }
+        let call = Call {
+            op: "scatter",
+            dtype: T::DTYPE.name().into(),
+            count,
+            peer: Some(root),
+            reduce: None,
+        };
+        self.issue(call, move |c| {
+            let mut out = vec![T::from_f64(0.0); count];
+            c.scatter(&send, &mut out, root).map(|()| out)
+        })
+    }
+
     /// Sends `buf` to `peer` (handed back when sent).
     pub fn send<T: Element>(&self, buf: Vec<T>, peer: usize) -> Result<Work<Vec<T>>> {
         let call = Call {
