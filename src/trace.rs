@@ -3,7 +3,8 @@
 //! ferroccl logs through `tracing` and is quiet by default. `FERROCCL_DEBUG` (or
 //! `NCCL_DEBUG`, honoured for familiarity) selects the level: `WARN`, `INFO`, `DEBUG`
 //! or `TRACE`; `VERSION` is treated as `INFO`. Applications that install their own
-//! `tracing` subscriber get ferroccl's events there instead.
+//! `tracing` subscriber (before their first communicator, which installs ferroccl's
+//! when one of these variables is set) get ferroccl's events there instead.
 //!
 //! **Traces of real runs.** With `FERROCCL_TRACE=DIR`, every rank writes what it did to
 //! `DIR/rank<R>.<pid>.jsonl`, one JSON object a line: a `collective` record per call
