@@ -166,11 +166,6 @@ pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar,
     Ok(scalar)
 }
 
-/// A communicator's rank and size, as recorded when its handle was made.
-fn shape_of(handle: &CommHandle) -> (usize, usize) {
-    (handle.rank, handle.nranks)
-}
-
 /// Checks and runs (or queues, inside a group) one collective or point-to-point call.
 ///
 /// # Safety
@@ -188,7 +183,8 @@ unsafe fn collective(
 ) -> Result<c_int, Failure> {
     let handle = CommHandle::find(comm)?;
     let dtype = dtype_of(datatype)?;
-    let (rank, nranks) = shape_of(&handle);
+    // Known from the init call, even while a deferred initialisation is pending.
+    let (rank, nranks) = (handle.rank, handle.nranks);
     if let Some(r) = collective.root() {
         let what = if matches!(
             collective,
