@@ -52,14 +52,14 @@ pub struct Communicator {
     /// Closes this rank's bell without the state lock, so an abort reaches a running
     /// call.
     abort_bell: Arc<Bell>,
+    /// Set once a call failed while moving data, or on abort (the first reason kept).
+    failure: Mutex<Option<String>>,
 }
 
 struct State {
     conns: Connections,
     /// Sequence number of the next call.
     seq: u64,
-    /// Set once a call failed while moving data, or on abort.
-    failure: Option<String>,
     /// The plan of the last single-operation call: loops that repeat one call (training
     /// steps, benchmarks) plan once.
     last_plan: Option<(PlanKey, Plan)>,
@@ -219,10 +219,10 @@ impl Communicator {
             shape,
             boot,
             abort_bell: conns.abort_handle(),
+            failure: Mutex::new(None),
             state: Mutex::new(State {
                 conns,
                 seq: 0,
-                failure: None,
                 last_plan: None,
             }),
             splits: AtomicU64::new(0),
@@ -263,7 +263,24 @@ impl Communicator {
 
     /// The first error this communicator failed with, if it has (`ncclCommGetAsyncError`).
     pub fn failure(&self) -> Option<String> {
-        self.lock().failure.clone()
+        // Its own lock, not the state's, which a running call holds: asking must not
+        // wait for the call.
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_failure(&self, reason: String) {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(reason);
+    }
+
+    /// Waits for every call issued so far (blocking or asynchronous) to finish.
+    pub fn flush(&self) {
+        self.turns.run_blocking(|| ());
     }
 
     /// Aborts the communicator (`ncclCommAbort`): later calls fail, and peers waiting on
@@ -282,9 +299,8 @@ impl Communicator {
         // First wake a call running in another thread (it holds the state), so that it
         // fails now rather than at its deadline.
         self.abort_bell.close(why);
-        let mut st = self.lock();
-        st.failure.get_or_insert(reason);
-        st.conns.close(why);
+        self.set_failure(reason);
+        self.lock().conns.close(why);
     }
 
     /// Destroys the communicator (`ncclCommDestroy`): waits for its asynchronous calls to
@@ -558,10 +574,15 @@ impl Communicator {
         let (pending, complete) = pending();
         let ticket = self.turns.ticket();
         let comm = Arc::clone(self);
-        thread.submit(Box::new(move || {
+        let queued = thread.submit(Box::new(move || {
             let result = comm.turns.run_in_turn(ticket, || call(&comm));
             complete(result);
-        }))?;
+        }));
+        if let Err(e) = queued {
+            // The ticket was taken: use it up, or every later call would wait for it.
+            self.turns.run_in_turn(ticket, || ());
+            return Err(e);
+        }
         Ok(pending)
     }
 
@@ -724,7 +745,7 @@ impl Communicator {
             });
         }
         let mut st = self.lock();
-        if let Some(why) = &st.failure {
+        if let Some(why) = self.failure() {
             return Err(Error::Aborted {
                 rank: self.rank,
                 reason: why.clone(),
@@ -774,7 +795,7 @@ impl Communicator {
         // inside them because the plan was made from the same counts.
         let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
         if let Err(e) = &result {
-            st.failure = Some(match e {
+            self.set_failure(match e {
                 Error::Aborted { reason, .. } => reason.clone(),
                 other => other.to_string(),
             });

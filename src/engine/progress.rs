@@ -108,7 +108,9 @@ impl ProgressThread {
             .name(name)
             .spawn(move || {
                 for job in rx {
-                    job();
+                    // A job that panics must not take the thread (and every call queued
+                    // behind it) down: its caller sees its result channel close.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                 }
             })
             .map_err(|e| Error::io("start the progress thread", e))?;
