@@ -86,6 +86,16 @@ impl CommCalls {
     }
 }
 
+/// Runs an initialisation, turning a panic into an error so that its handle never
+/// stays "initialising".
+pub fn run_init(init: Init) -> crate::Result<Communicator> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(init)).unwrap_or_else(|_| {
+        Err(crate::Error::invalid(
+            "internal error: the communicator's initialisation panicked",
+        ))
+    })
+}
+
 /// Closes a group; the outermost runs what was queued.
 pub fn end() -> Result<c_int, Failure> {
     let state = GROUP.with(|g| {
@@ -120,7 +130,7 @@ pub fn end() -> Result<c_int, Failure> {
             .into_iter()
             .map(|(handle, init)| {
                 s.spawn(move || {
-                    let outcome = init();
+                    let outcome = run_init(init);
                     let failure = outcome.as_ref().err().map(Failure::from_error);
                     handle.finish_init(outcome);
                     failure

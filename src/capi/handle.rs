@@ -136,16 +136,21 @@ impl CommHandle {
 
     /// What `ncclCommGetAsyncError` reports.
     pub fn async_error(&self) -> i32 {
-        match &*lock(&self.life) {
-            Life::Initializing => IN_PROGRESS,
-            Life::Failed(code, _) => *code,
-            Life::Ready(c) | Life::Finalized(c) => match c.failure() {
+        // The life lock is released before asking the communicator anything.
+        let comm = match &*lock(&self.life) {
+            Life::Initializing => return IN_PROGRESS,
+            Life::Failed(code, _) => return *code,
+            Life::Ready(c) | Life::Finalized(c) => c.clone(),
+        };
+        {
+            let c = &comm;
+            match c.failure() {
                 None => super::SUCCESS,
                 Some(why) => result_of(&crate::Error::Aborted {
                     rank: c.rank(),
                     reason: why,
                 }),
-            },
+            }
         }
     }
 

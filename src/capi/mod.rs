@@ -112,7 +112,6 @@ fn api(function: &str, body: impl FnOnce() -> Result<c_int, Failure>) -> c_int {
         Ok(Ok(code)) => code,
         Ok(Err(f)) => {
             set_last_error(function, &f.message);
-            group::fail(&f);
             f.code
         }
         Err(panic) => {
@@ -172,6 +171,34 @@ pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar,
 /// The buffers must be valid for the call as NCCL defines it.
 #[allow(clippy::too_many_arguments)]
 unsafe fn collective(
+    comm: *mut c_void,
+    collective: Collective,
+    count: usize,
+    datatype: c_int,
+    op: Option<c_int>,
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    stream: *mut c_void,
+) -> Result<c_int, Failure> {
+    // SAFETY: forwarded.
+    let r = unsafe {
+        checked_collective(
+            comm, collective, count, datatype, op, sendbuff, recvbuff, stream,
+        )
+    };
+    if let Err(f) = &r {
+        // Inside a group, a call that fails its checks fails the whole group.
+        group::fail(f);
+    }
+    r
+}
+
+/// [`collective`] without the group bookkeeping.
+///
+/// # Safety
+/// As [`collective`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn checked_collective(
     comm: *mut c_void,
     collective: Collective,
     count: usize,
@@ -277,6 +304,21 @@ fn init_rank(
     rank: c_int,
     config: *const c_void,
 ) -> Result<c_int, Failure> {
+    let r = checked_init_rank(comm, nranks, id, rank, config);
+    if let Err(f) = &r {
+        group::fail(f);
+    }
+    r
+}
+
+/// [`init_rank`] without the group bookkeeping.
+fn checked_init_rank(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    id: &NcclUniqueId,
+    rank: c_int,
+    config: *const c_void,
+) -> Result<c_int, Failure> {
     if comm.is_null() {
         return Err(invalid("comm (the output pointer) is NULL"));
     }
@@ -296,6 +338,7 @@ fn init_rank(
     let config = CommConfig::from_env().map_err(|e| Failure::from_error(&e))?;
     let join = move || Communicator::init_rank_with(&id, nranks, rank, config);
     if group::in_group() {
+        // Run with the other ranks' inits when the group ends.
         let (handle, ptr) =
             CommHandle::register(Life::Initializing, settings.nonblocking, rank, nranks);
         group::queue_init(handle, Box::new(join));
@@ -305,10 +348,16 @@ fn init_rank(
     }
     if settings.nonblocking {
         let (handle, ptr) = CommHandle::register(Life::Initializing, true, rank, nranks);
-        std::thread::Builder::new()
+        if let Err(e) = std::thread::Builder::new()
             .name(format!("ferroccl-init-r{rank}"))
-            .spawn(move || handle.finish_init(join()))
-            .map_err(|e| Failure::new(SYSTEM_ERROR, format!("start the init thread: {e}")))?;
+            .spawn(move || handle.finish_init(group::run_init(Box::new(join))))
+        {
+            CommHandle::unregister(ptr);
+            return Err(Failure::new(
+                SYSTEM_ERROR,
+                format!("start the init thread: {e}"),
+            ));
+        }
         // SAFETY: as above.
         unsafe { *comm = ptr };
         return Ok(IN_PROGRESS);
@@ -502,6 +551,15 @@ nccl_api! {
                     )));
                 }
             };
+            if group::in_group() {
+                // Every member must take part at once; one thread driving several ranks
+                // would wait for ranks it has not called yet.
+                return Err(Failure::new(
+                    INVALID_USAGE,
+                    "ncclCommSplit inside ncclGroupStart/ncclGroupEnd is not supported: call \
+                     it outside a group (one thread per rank)",
+                ));
+            }
             // SAFETY: NULL or the caller's initialised config.
             let settings = unsafe { handle::read_config(config) }?;
             let c = handle.communicator()?;
@@ -615,7 +673,9 @@ nccl_api! {
             if buff.is_null() && size > 0 {
                 return Err(invalid(format!("buff is NULL for {size} bytes")));
             }
-            let token = Box::into_raw(Box::new(0u8)) as usize;
+            // A handle is a number that is never reused (and never a valid address).
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+            let token = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             lock(&handle.registrations).insert(token, (buff as usize, size));
             // SAFETY: non-NULL, the caller's void*.
             unsafe { *handle_out = token as *mut c_void };
@@ -628,12 +688,7 @@ nccl_api! {
         api("ncclCommDeregister", || {
             let handle = CommHandle::find(comm)?;
             match lock(&handle.registrations).remove(&(reg as usize)) {
-                Some(_) => {
-                    // SAFETY: the token was made by Box::into_raw in ncclCommRegister and
-                    // is removed from the map, so it is freed once.
-                    drop(unsafe { Box::from_raw(reg as *mut u8) });
-                    Ok(SUCCESS)
-                }
+                Some(_) => Ok(SUCCESS),
                 None => Err(invalid(format!(
                     "handle {reg:?} is not a registration of this communicator"
                 ))),
