@@ -80,7 +80,10 @@ impl PgOptions {
             }
         };
         if let Some(v) = number("FERROCCL_PG_TIMEOUT")? {
-            o.timeout = Duration::from_secs_f64(v);
+            o.timeout = Duration::try_from_secs_f64(v).map_err(|_| Error::Env {
+                var: "FERROCCL_PG_TIMEOUT".into(),
+                detail: format!("{v} seconds is too long"),
+            })?;
         }
         if let Some(v) = number("FERROCCL_FR_ENTRIES")? {
             o.recorder_entries = v as usize;
@@ -100,8 +103,11 @@ struct Inner {
     name: String,
     store: Arc<dyn Store>,
     options: PgOptions,
-    /// Sequence number of the next collective.
+    /// Sequence number of the next collective (the same on every rank of the group).
     seq: AtomicU64,
+    /// Sequence number of the next send or receive (these pair up between two ranks
+    /// only, so they are numbered apart and not desync-checked).
+    p2p_seq: AtomicU64,
     recorder: FlightRecorder,
     /// Sub-groups made so far (names them).
     subgroups: AtomicU64,
@@ -264,6 +270,7 @@ impl ProcessGroup {
             recorder: FlightRecorder::new(options.recorder_entries),
             options,
             seq: AtomicU64::new(0),
+            p2p_seq: AtomicU64::new(0),
             subgroups: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
@@ -332,8 +339,13 @@ impl ProcessGroup {
         call: Call,
         run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
     ) -> Result<Work<R>> {
-        let seq = self.inner.seq.fetch_add(1, Ordering::SeqCst);
-        if self.inner.options.desync_debug {
+        let p2p = matches!(call.op, "send" | "recv");
+        let seq = if p2p {
+            self.inner.p2p_seq.fetch_add(1, Ordering::SeqCst)
+        } else {
+            self.inner.seq.fetch_add(1, Ordering::SeqCst)
+        };
+        if self.inner.options.desync_debug && !p2p {
             watchdog::check_desync(&self.inner, seq, &call.signature())?;
         }
         let entry = self
@@ -554,17 +566,19 @@ impl ProcessGroup {
         self.inner.comm.abort();
     }
 
-    /// Finishes the calls issued so far and releases the group.
+    /// Finishes the calls issued so far, then releases the group; reports a failure
+    /// the group had (other than an abort by its owner).
     pub fn destroy(self) -> Result<()> {
+        // Wait for the calls while the watchdog still watches them.
+        self.inner.comm.flush();
         self.shutdown_watchdog();
-        let inner = self.inner.clone();
+        let (rank, failure) = (self.rank(), self.inner.comm.failure());
         drop(self);
-        match Arc::try_unwrap(inner) {
-            Ok(inner) => match Arc::try_unwrap(inner.comm) {
-                Ok(comm) => comm.destroy(),
-                Err(_) => Ok(()),
-            },
-            Err(_) => Ok(()),
+        match failure {
+            Some(reason) if reason != crate::engine::ABORTED_BY_USER => {
+                Err(Error::Aborted { rank, reason })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -591,6 +605,11 @@ impl Drop for ProcessGroup {
 /// deadline well past the watchdog's so the watchdog diagnoses hangs first.
 fn comm_config(options: &PgOptions) -> Result<CommConfig> {
     let mut c = CommConfig::from_env()?;
-    c.timeout = c.timeout.max(options.timeout * 2 + Duration::from_secs(10));
+    c.timeout = c.timeout.max(
+        options
+            .timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(10)),
+    );
     Ok(c)
 }

@@ -60,8 +60,16 @@ fn run(inner: &Inner) {
             fired = true;
             // Ask every rank to dump (and to record the verdict on its own copy of the
             // call) before aborting, so their calls fail with the diagnosis too.
-            let _ = inner.store.set(DUMP_KEY, entry.seq.to_string().as_bytes());
-            let behind = ranks_behind(inner, entry.seq);
+            // A send or receive waits on its one peer (and is numbered apart from the
+            // collectives); a collective waits on the ranks that never issued it.
+            let p2p = matches!(entry.op, "send" | "recv");
+            if !p2p {
+                let _ = inner.store.set(DUMP_KEY, entry.seq.to_string().as_bytes());
+            }
+            let behind = match entry.peer {
+                Some(peer) if p2p => vec![peer],
+                _ => ranks_behind(inner, entry.seq),
+            };
             entry.set_timed_out(behind.clone(), waited);
             let error = entry.watchdog_error(rank).expect("just set");
             tracing::error!(
@@ -88,6 +96,7 @@ fn run(inner: &Inner) {
             if let Some(seq) = stuck
                 && let Some(entry) = inner.recorder.entries().into_iter().find(|e| {
                     e.seq == seq
+                        && !matches!(e.op, "send" | "recv")
                         && matches!(
                             e.state(),
                             super::recorder::State::Started | super::recorder::State::Scheduled
