@@ -61,6 +61,7 @@ fn data_parallel(n: usize, b: usize, options: ReducerOptions) -> Vec<(Vec<Vec<f3
             .iter()
             .map(|pg| {
                 let options = options.clone();
+                let overlap = options.overlap;
                 s.spawn(move || {
                     // Different seeds: the broadcast from rank 0 must make them equal.
                     let mut m = Mlp::new(&WIDTHS, 42 + pg.rank() as u64);
@@ -78,6 +79,11 @@ fn data_parallel(n: usize, b: usize, options: ReducerOptions) -> Vec<(Vec<Vec<f3
                             }
                         });
                         assert!(err.is_none(), "{err:?}");
+                        // With overlap every full bucket is already on its way before
+                        // finish; without, none is.
+                        let in_flight = reducer.buckets_in_flight();
+                        let buckets = reducer.bucket_layout().len();
+                        assert_eq!(in_flight, if overlap { buckets } else { 0 });
                         reducer.finish(&mut m).unwrap();
                         m.sgd_step(LR);
                         hashes.push(m.weights_hash());

@@ -106,6 +106,12 @@ pub struct Reducer<'g> {
     buckets: Vec<Bucket>,
     ready: Vec<bool>,
     no_sync: bool,
+    /// The next bucket to launch: buckets start in index order on every rank, whatever
+    /// order backward fills them in, so all ranks issue the same all-reduces in the
+    /// same order.
+    next_launch: usize,
+    /// Set after an error: the buckets' state is unknown, so the reducer refuses work.
+    poisoned: Option<String>,
 }
 
 impl<'g> Reducer<'g> {
@@ -162,6 +168,8 @@ impl<'g> Reducer<'g> {
             buckets,
             ready: vec![false; lengths.len()],
             no_sync: false,
+            next_launch: 0,
+            poisoned: None,
         })
     }
 
@@ -190,11 +198,33 @@ impl<'g> Reducer<'g> {
         self.no_sync = on;
     }
 
+    /// Buckets whose all-reduce is running now (for tests and tuning: with overlap,
+    /// full buckets are in flight before [`Reducer::finish`]).
+    pub fn buckets_in_flight(&self) -> usize {
+        self.buckets.iter().filter(|b| b.flight.is_some()).count()
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(why) => Err(Error::invalid(format!(
+                "the reducer is unusable after an earlier error ({why}); make a new one"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `e` as poisoning the reducer, and returns it.
+    fn poison(&mut self, e: Error) -> Error {
+        self.poisoned.get_or_insert_with(|| e.to_string());
+        e
+    }
+
     /// Gradient `param` is final for this step (call from backward, last layer first).
     pub fn mark_ready(&mut self, param: usize, grad: &[f32]) -> Result<()> {
         if self.no_sync {
             return Ok(());
         }
+        self.check_usable()?;
         let slot = *self
             .slots
             .get(param)
@@ -214,8 +244,20 @@ impl<'g> Reducer<'g> {
         let bucket = &mut self.buckets[slot.bucket];
         bucket.data[slot.offset..slot.offset + slot.len].copy_from_slice(grad);
         bucket.missing -= 1;
-        if bucket.missing == 0 && self.options.overlap {
-            self.launch(slot.bucket)?;
+        if self.options.overlap {
+            self.launch_ready()?;
+        }
+        Ok(())
+    }
+
+    /// Launches, in index order, every bucket that is complete and not yet launched.
+    fn launch_ready(&mut self) -> Result<()> {
+        while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].missing == 0 {
+            let b = self.next_launch;
+            self.next_launch += 1;
+            if let Err(e) = self.launch(b) {
+                return Err(self.poison(e));
+            }
         }
         Ok(())
     }
@@ -242,18 +284,23 @@ impl<'g> Reducer<'g> {
         if self.no_sync {
             return Ok(StepTimes::default());
         }
+        self.check_usable()?;
         if let Some(p) = self.ready.iter().position(|r| !r) {
             let unready: Vec<usize> = (p..self.ready.len()).filter(|&i| !self.ready[i]).collect();
-            return Err(Error::invalid(format!(
+            let e = Error::invalid(format!(
                 "finish: parameters {unready:?} were never marked ready in this step (every \
                  gradient must reach the reducer, or ranks would wait for each other)"
-            )));
+            ));
+            return Err(self.poison(e));
         }
-        if !self.options.overlap {
-            for b in 0..self.buckets.len() {
-                self.launch(b)?;
-            }
+        self.launch_ready()?;
+        match self.wait_all(model) {
+            Ok(t) => Ok(t),
+            Err(e) => Err(self.poison(e)),
         }
+    }
+
+    fn wait_all(&mut self, model: &mut impl Parameters) -> Result<StepTimes> {
         let start = Instant::now();
         let scale = 1.0 / self.pg.size() as f32;
         for bucket in &mut self.buckets {
@@ -278,6 +325,7 @@ impl<'g> Reducer<'g> {
             bucket.missing = bucket.params.len();
         }
         self.ready.iter_mut().for_each(|r| *r = false);
+        self.next_launch = 0;
         Ok(StepTimes {
             exposed_comm: start.elapsed(),
         })
