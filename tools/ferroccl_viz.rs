@@ -24,6 +24,10 @@ fn usage() -> &'static str {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix filters, end quietly when the reader of our output goes away
+    // (`ferroccl-viz ring | head`) instead of panicking on a broken pipe.
+    // SAFETY: restoring the default action of SIGPIPE before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -106,13 +110,7 @@ fn table_command(cmd: &str, opts: &[(String, String)]) -> Result<(), String> {
             let seed: u64 = seed
                 .parse()
                 .map_err(|_| "--values needs a seed (a number)")?;
-            viz::step_table_with(collective, algorithm, ranks, &|r, c| {
-                // A small deterministic hash of (seed, rank, chunk): values 1..=99.
-                let mut x = seed ^ ((r as u64) << 32) ^ c as u64;
-                x = x.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                x ^= x >> 29;
-                1 + (x % 99) as i64
-            })
+            viz::step_table_seeded(collective, algorithm, ranks, seed)
         }
     }
     .map_err(|e| e.to_string())?;

@@ -12,7 +12,7 @@ use super::{StepTable, chunk_name};
 /// The table as JSON for the page's script.
 fn table_json(t: &StepTable) -> serde_json::Value {
     serde_json::json!({
-        "title": format!("{} on {} ranks ({})", t.collective, t.nranks, t.algorithm.name()),
+        "title": format!("{} on {} ranks ({})", t.collective, t.nranks, t.algorithm_label()),
         "nranks": t.nranks,
         "chunks": (0..t.chunks).map(chunk_name).collect::<Vec<_>>(),
         "rounds": t.rounds.iter().map(|r| serde_json::json!({
@@ -84,11 +84,27 @@ const T = JSON.parse(document.getElementById("table").textContent);
 const NS = "http://www.w3.org/2000/svg";
 const n = T.nranks, last = T.rounds.length - 1;
 const cellW = Math.max(34, Math.min(52, 300 / T.chunks.length)), cellH = 24;
-const cx = 380, cy = 310, radius = n === 1 ? 0 : Math.min(240, 90 + 24 * n);
-const pos = [...Array(n).keys()].map(r => {
-  const a = -Math.PI / 2 + 2 * Math.PI * r / n;
-  return [cx + radius * Math.cos(a), cy + radius * Math.sin(a)];
-});
+// Up to 8 ranks sit on a circle; more go down the right column and back up the left
+// one (still a ring), so the boxes never overlap. The picture scales to fit.
+const boxW = cellW * T.chunks.length;
+let pos, width, height;
+if (n <= 8) {
+  const radius = n === 1 ? 0 : 90 + 24 * n;
+  const cx = radius + boxW / 2 + 30, cy = radius + 60;
+  pos = [...Array(n).keys()].map(r => {
+    const a = -Math.PI / 2 + 2 * Math.PI * r / n;
+    return [cx + radius * Math.cos(a), cy + radius * Math.sin(a)];
+  });
+  [width, height] = [2 * cx, 2 * cy];
+} else {
+  const half = Math.ceil(n / 2), rowH = 56, gap = Math.max(160, boxW * 0.4);
+  const left = boxW / 2 + 30, right = left + boxW + gap;
+  pos = [...Array(n).keys()].map(r => r < half
+    ? [right, 60 + r * rowH]
+    : [left, 60 + (n - 1 - r) * rowH]);
+  [width, height] = [right + boxW / 2 + 30, 60 + half * rowH + 40];
+}
+document.getElementById("view").setAttribute("viewBox", `0 0 ${width} ${height}`);
 function colour(k) {
   if (!k) return "#f4f4f4";
   const f = n === 1 ? 1 : (k - 1) / (n - 1);

@@ -85,6 +85,8 @@ pub struct StepTable {
     pub rounds: Vec<Round>,
     /// The double binary tree's parents (`[tree][rank]`), for tree algorithms.
     pub tree_parents: Vec<Vec<Option<usize>>>,
+    /// How the starting values were chosen, for headings.
+    pub values: String,
 }
 
 /// The collectives a table can show, by their command-line names.
@@ -251,6 +253,9 @@ fn run(
         } else {
             rec.bytes[rank].gather += b;
         }
+        if !keep_rounds {
+            return;
+        }
         let region = match step {
             Step::Send { src, .. }
             | Step::CopySend { src, .. }
@@ -328,6 +333,7 @@ fn run(
             chunks: width,
             rounds,
             tree_parents,
+            values: "rank r starts with (r+1)*10 + chunk index".into(),
         },
         bytes,
     ))
@@ -355,6 +361,23 @@ pub fn step_table_with(
         _ => 1,
     };
     run(collective, algorithm, nranks, count, 1, true, values).map(|(t, _)| t)
+}
+
+/// Like [`step_table`], with small values drawn from `seed` (1 to 99).
+pub fn step_table_seeded(
+    collective: Collective,
+    algorithm: Algorithm,
+    nranks: usize,
+    seed: u64,
+) -> Result<StepTable> {
+    let mut t = step_table_with(collective, algorithm, nranks, &|r, c| {
+        let mut x = seed ^ ((r as u64) << 32) ^ c as u64;
+        x = x.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^= x >> 29;
+        1 + (x % 99) as i64
+    })?;
+    t.values = format!("values from seed {seed}");
+    Ok(t)
 }
 
 /// Bytes each rank sends, by phase, for `collective` over `count` elements of
@@ -391,6 +414,15 @@ pub fn chunk_name(i: usize) -> String {
 }
 
 impl StepTable {
+    /// The algorithm as shown: ring or tree for all-reduce and broadcast, which have
+    /// a choice; the one algorithm of the others is a ring.
+    pub fn algorithm_label(&self) -> &'static str {
+        match self.collective {
+            Collective::AllReduce | Collective::Broadcast { .. } => self.algorithm.name(),
+            _ => "ring",
+        }
+    }
+
     /// The phase a round belongs to, for headings (a round without messages, where
     /// ranks only combine what they hold, belongs to the phase before it).
     pub fn phase_of(&self, round: &Round) -> &'static str {
@@ -420,15 +452,13 @@ impl StepTable {
     pub fn render_text(&self) -> String {
         use std::fmt::Write;
         let mut out = String::new();
-        let algo = match (self.collective, self.algorithm) {
-            (Collective::AllReduce | Collective::Broadcast { .. }, a) => a.name(),
-            _ => "ring",
-        };
         let _ = writeln!(
             out,
-            "{} on {} ranks ({algo}); rank r starts with (r+1)*10 + chunk index; \
-             [k] = inputs of k ranks",
-            self.collective, self.nranks
+            "{} on {} ranks ({}); {}; [k] = inputs of k ranks",
+            self.collective,
+            self.nranks,
+            self.algorithm_label(),
+            self.values
         );
         if !self.tree_parents.is_empty() {
             for (t, parents) in self.tree_parents.iter().enumerate() {

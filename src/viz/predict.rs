@@ -99,8 +99,18 @@ impl Topology {
                 .map_or(Ok(512 << 10), |_| count("chunk_bytes"))?,
             channels: v.get("channels").map_or(Ok(1), |_| count("channels"))?,
         };
-        if t.ranks() > 4096 {
-            return Err(Error::invalid("topology: more than 4096 ranks"));
+        let ranks = t.hosts.saturating_mul(t.ranks_per_host);
+        if !(2..=4096).contains(&ranks) {
+            return Err(Error::invalid(format!(
+                "topology: {} hosts x {} ranks: simulate 2 to 4096 ranks",
+                t.hosts, t.ranks_per_host
+            )));
+        }
+        if t.channels > 64 {
+            return Err(Error::invalid(format!(
+                "topology: {} channels: use 1 to 64",
+                t.channels
+            )));
         }
         Ok(t)
     }
@@ -298,6 +308,11 @@ pub fn command(opts: &[(String, String)]) -> std::result::Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("read {path}: {e}"))?;
     let topo = Topology::from_json(&text).map_err(|e| format!("{path}: {e}"))?;
     let max = parse_size(get("size").unwrap_or("1G")).map_err(|e| e.to_string())?;
+    if max < 16 {
+        return Err(format!(
+            "--size {max}: simulate at least 16 bytes (sizes start at 8)"
+        ));
+    }
     let rows = all_reduce_rows(&topo, max).map_err(|e| e.to_string())?;
     let n = topo.ranks();
     println!(

@@ -89,6 +89,26 @@ pub fn read(path: &Path) -> Result<Vec<Record>> {
             );
         }
     }
+    // Files are `rank<R>.<pid>.jsonl`: two files for one rank are two runs (or a
+    // sub-communicator's ranks), which one timeline cannot show together.
+    let mut seen: Vec<(u64, &str)> = Vec::new();
+    for f in &files {
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if let Some((rank, _)) = name
+            .strip_prefix("rank")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(r, rest)| Some((r.parse::<u64>().ok()?, rest)))
+        {
+            if let Some((_, other)) = seen.iter().find(|(r, _)| *r == rank) {
+                return Err(Error::invalid(format!(
+                    "{} holds traces of rank {rank} from two processes ({other} and {name}): \
+                     trace each run into a directory of its own",
+                    path.display()
+                )));
+            }
+            seen.push((rank, name));
+        }
+    }
     if out.is_empty() {
         return Err(Error::invalid(format!(
             "no trace records in {} (run with FERROCCL_TRACE={})",
