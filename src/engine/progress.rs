@@ -17,9 +17,11 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 
 thread_local! {
-    /// Set while this thread runs a call in its turn, so that calls made from inside it
-    /// (an asynchronous job calling a blocking method) do not queue behind themselves.
-    static IN_TURN: Cell<bool> = const { Cell::new(false) };
+    /// The [`Turns`] (by address) whose call this thread is running in its turn, so
+    /// that calls made from inside it on the same communicator (an asynchronous job
+    /// calling a blocking method) do not queue behind themselves; 0 when none. Calls on
+    /// another communicator still take their turn there.
+    static IN_TURN: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Issue-order tickets.
@@ -60,10 +62,10 @@ impl Turns {
             drop(g);
             self.waiters.fetch_sub(1, Ordering::SeqCst);
         }
-        struct Finish<'a>(&'a Turns);
+        struct Finish<'a>(&'a Turns, usize);
         impl Drop for Finish<'_> {
             fn drop(&mut self) {
-                IN_TURN.with(|t| t.set(false));
+                IN_TURN.with(|t| t.set(self.1));
                 let turns = self.0;
                 turns.done.fetch_add(1, Ordering::SeqCst);
                 // A waiter either saw the new `done` or is counted here; it checks
@@ -74,14 +76,14 @@ impl Turns {
                 }
             }
         }
-        IN_TURN.with(|t| t.set(true));
-        let _finish = Finish(self);
+        let outer = IN_TURN.with(|t| t.replace(self as *const Turns as usize));
+        let _finish = Finish(self, outer);
         f()
     }
 
     /// Runs `f` now if this thread is already inside its turn, else in a new turn.
     pub fn run_blocking<R>(&self, f: impl FnOnce() -> R) -> R {
-        if IN_TURN.with(Cell::get) {
+        if IN_TURN.with(Cell::get) == self as *const Turns as usize {
             f()
         } else {
             let t = self.ticket();
@@ -233,6 +235,24 @@ mod tests {
         // Inside a turn, a blocking call runs at once instead of waiting for itself.
         let t = turns.ticket();
         assert_eq!(turns.run_in_turn(t, || turns.run_blocking(|| 42)), 42);
+    }
+
+    #[test]
+    fn a_turn_on_one_communicator_does_not_skip_anothers_order() {
+        let (a, b) = (Turns::default(), Arc::new(Turns::default()));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let earlier = b.ticket();
+        let t = {
+            let (b, log) = (b.clone(), log.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                b.run_in_turn(earlier, || log.lock().unwrap().push("b: earlier"));
+            })
+        };
+        // Inside a turn of `a`, a blocking call on `b` still waits for `b`'s earlier one.
+        a.run_blocking(|| b.run_blocking(|| log.lock().unwrap().push("b: later")));
+        t.join().unwrap();
+        assert_eq!(*log.lock().unwrap(), ["b: earlier", "b: later"]);
     }
 
     #[test]
