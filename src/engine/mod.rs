@@ -146,23 +146,14 @@ pub unsafe fn execute(
     let mut idle_sweeps = 0u32;
     let mut last_process_check = start;
     loop {
-        let mut progressed = false;
-        let mut unfinished = false;
-        for (li, lane) in plan.lanes.iter().enumerate() {
-            // SAFETY: forwarded from this function's contract.
-            progressed |= unsafe {
-                advance(
-                    &lane.steps,
-                    lane.channel,
-                    &mut lanes[li],
-                    ops,
-                    conns,
-                    trace(li),
-                )?
-            };
-            unfinished |= lanes[li].step < lane.steps.len();
-        }
-        if !unfinished {
+        // SAFETY: forwarded from this function's contract.
+        let progressed = unsafe { sweep(plan, &mut lanes, ops, conns, &trace)? };
+        if plan
+            .lanes
+            .iter()
+            .zip(&lanes)
+            .all(|(lane, st)| st.step == lane.steps.len())
+        {
             return Ok(());
         }
         if progressed {
@@ -195,26 +186,14 @@ pub unsafe fn execute(
             last_process_check = now;
         }
         let failure = peer_failure(conns, &waiting_on, check_process);
-        let mut progressed = false;
-        for (li, lane) in plan.lanes.iter().enumerate() {
-            // SAFETY: as above.
-            match unsafe {
-                advance(
-                    &lane.steps,
-                    lane.channel,
-                    &mut lanes[li],
-                    ops,
-                    conns,
-                    trace(li),
-                )
-            } {
-                Ok(p) => progressed |= p,
-                Err(e) => {
-                    conns.bell().cancel_sleep();
-                    return Err(e);
-                }
+        // SAFETY: as above.
+        let progressed = match unsafe { sweep(plan, &mut lanes, ops, conns, &trace) } {
+            Ok(p) => p,
+            Err(e) => {
+                conns.bell().cancel_sleep();
+                return Err(e);
             }
-        }
+        };
         if progressed {
             conns.bell().cancel_sleep();
             idle_sweeps = 0;
@@ -315,6 +294,34 @@ unsafe fn addr(ops: &[OpBuffers], region: &Region, skip: usize) -> *mut u8 {
     let elem = op.kernel.dtype().size();
     // SAFETY: within the buffer by the caller's contract.
     unsafe { base.add((region.offset + skip) * elem) }
+}
+
+/// Advances every lane as far as its FIFOs allow; returns whether any moved.
+///
+/// # Safety
+/// As [`execute`].
+unsafe fn sweep(
+    plan: &Plan,
+    lanes: &mut [LaneState],
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    trace: &impl Fn(usize) -> Option<StepTrace>,
+) -> Result<bool> {
+    let mut progressed = false;
+    for (li, lane) in plan.lanes.iter().enumerate() {
+        // SAFETY: forwarded from this function's contract.
+        progressed |= unsafe {
+            advance(
+                &lane.steps,
+                lane.channel,
+                &mut lanes[li],
+                ops,
+                conns,
+                trace(li),
+            )?
+        };
+    }
+    Ok(progressed)
 }
 
 /// Advances one lane as far as its FIFOs allow; returns whether it moved.
