@@ -38,20 +38,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--name value` options after the subcommand.
-fn options(args: &[String]) -> Result<Vec<(String, String)>, String> {
-    let mut out = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let name = a
-            .strip_prefix("--")
-            .ok_or_else(|| format!("unexpected argument {a:?}"))?;
-        let value = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
-        out.push((name.to_string(), value.clone()));
-    }
-    Ok(out)
-}
-
 fn run(args: &[String]) -> Result<(), String> {
     let Some(cmd) = args.first() else {
         return Err("no command".into());
@@ -61,27 +47,18 @@ fn run(args: &[String]) -> Result<(), String> {
             println!("{}", usage());
             Ok(())
         }
-        "simulate" => ferroccl::viz::predict::command(&options(&args[1..])?),
+        "simulate" => ferroccl::viz::predict::command(&args[1..]),
         "trace" => {
             let dir = args.get(1).ok_or("trace needs a directory or file")?;
-            ferroccl::viz::timeline::command(dir, &options(&args[2..])?)
+            ferroccl::viz::timeline::command(dir, &args[2..])
         }
-        _ => table_command(cmd, &options(&args[1..])?),
+        _ => table_command(cmd, &args[1..]),
     }
 }
 
-fn table_command(cmd: &str, opts: &[(String, String)]) -> Result<(), String> {
-    let get = |k: &str| {
-        opts.iter()
-            .rev()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.as_str())
-    };
-    for (k, _) in opts {
-        if !["ranks", "collective", "root", "values", "html"].contains(&k.as_str()) {
-            return Err(format!("unknown option --{k}"));
-        }
-    }
+fn table_command(cmd: &str, args: &[String]) -> Result<(), String> {
+    let opts = viz::Options::parse(args, &["ranks", "collective", "root", "values", "html"])?;
+    let get = |k: &str| opts.get(k);
     let ranks: usize = get("ranks")
         .unwrap_or("4")
         .parse()

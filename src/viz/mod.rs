@@ -23,6 +23,38 @@ use crate::error::{Error, Result};
 use crate::plan::sim::{Arith, Buffers, SimEvent, simulate_observed};
 use crate::plan::{self, Algorithm, Buf, Collective, PlanOptions, Region, Step};
 
+/// The `--name value` options of a `ferroccl-viz` command.
+#[derive(Clone, Debug, Default)]
+pub struct Options(Vec<(String, String)>);
+
+impl Options {
+    /// Reads `args` as `--name value` pairs, accepting only the names in `allowed`.
+    pub fn parse(args: &[String], allowed: &[&str]) -> std::result::Result<Self, String> {
+        let mut out = Vec::new();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let name = a
+                .strip_prefix("--")
+                .ok_or_else(|| format!("unexpected argument {a:?}"))?;
+            if !allowed.contains(&name) {
+                return Err(format!("unknown option --{name}"));
+            }
+            let value = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
+            out.push((name.to_string(), value.clone()));
+        }
+        Ok(Options(out))
+    }
+
+    /// The value given last for `name`, if any.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// A value and the ranks whose inputs it sums.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Tracked {

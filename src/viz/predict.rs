@@ -221,13 +221,9 @@ pub fn predict(
     Ok(clock.iter().flatten().cloned().fold(0.0, f64::max))
 }
 
-/// nccl-tests' bus bandwidth factor for all-reduce: `2(n−1)/n`.
+/// nccl-tests' bus bandwidth factor for all-reduce on `n` ranks.
 fn bus_factor(n: usize) -> f64 {
-    if n <= 1 {
-        1.0
-    } else {
-        2.0 * (n as f64 - 1.0) / n as f64
-    }
+    crate::perf::Test::AllReduce.bus_factor(n)
 }
 
 /// One row of a prediction: size, then (time s, algbw GB/s, busbw GB/s) for ring and
@@ -269,45 +265,15 @@ pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Parses sizes like `1G`, `64M`, `512K`, `8` (powers of 1024).
-pub fn parse_size(text: &str) -> Result<usize> {
-    let t = text.trim();
-    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let n: usize = digits
-        .parse()
-        .map_err(|_| Error::invalid(format!("size {text:?} is not a number with K/M/G")))?;
-    let scale = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        other => {
-            return Err(Error::invalid(format!(
-                "size unit {other:?} is not K, M or G"
-            )));
-        }
-    };
-    n.checked_mul(scale)
-        .ok_or_else(|| Error::invalid(format!("size {text:?} is too large")))
-}
-
 /// `ferroccl-viz simulate --topology FILE --size MAX [--plot FILE.svg]`.
-pub fn command(opts: &[(String, String)]) -> std::result::Result<(), String> {
-    let get = |k: &str| {
-        opts.iter()
-            .rev()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.as_str())
-    };
-    for (k, _) in opts {
-        if !["topology", "size", "plot"].contains(&k.as_str()) {
-            return Err(format!("unknown option --{k}"));
-        }
-    }
+pub fn command(args: &[String]) -> std::result::Result<(), String> {
+    let opts = super::Options::parse(args, &["topology", "size", "plot"])?;
+    let get = |k: &str| opts.get(k);
     let path = get("topology").ok_or("simulate needs --topology FILE.json")?;
     let text = std::fs::read_to_string(path).map_err(|e| format!("read {path}: {e}"))?;
     let topo = Topology::from_json(&text).map_err(|e| format!("{path}: {e}"))?;
-    let max = parse_size(get("size").unwrap_or("1G")).map_err(|e| e.to_string())?;
+    let max = crate::perf::args::parse_size(get("size").unwrap_or("1G"))
+        .map_err(|e| format!("--size: {e}"))?;
     if max < 16 {
         return Err(format!(
             "--size {max}: simulate at least 16 bytes (sizes start at 8)"

@@ -229,18 +229,9 @@ pub fn svg(records: &[Record]) -> String {
 
 /// `ferroccl-viz trace DIR [--svg FILE] [--chrome FILE]` (defaults: `DIR/timeline.svg`
 /// and `DIR/trace.json`).
-pub fn command(path: &str, opts: &[(String, String)]) -> std::result::Result<(), String> {
-    let get = |k: &str| {
-        opts.iter()
-            .rev()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.clone())
-    };
-    for (k, _) in opts {
-        if !["svg", "chrome"].contains(&k.as_str()) {
-            return Err(format!("unknown option --{k}"));
-        }
-    }
+pub fn command(path: &str, args: &[String]) -> std::result::Result<(), String> {
+    let opts = super::Options::parse(args, &["svg", "chrome"])?;
+    let get = |k: &str| opts.get(k).map(str::to_string);
     let p = Path::new(path);
     let records = read(p).map_err(|e| e.to_string())?;
     let base = if p.is_dir() {
