@@ -33,10 +33,14 @@ use tracing_subscriber::util::SubscriberInitExt;
 /// The `tracing` target of trace records (collective spans and step events).
 pub const TRACE_TARGET: &str = "ferroccl::trace";
 
-/// Microseconds since the Unix epoch.
+/// Microseconds since the Unix epoch, now.
 pub fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+    epoch_us(SystemTime::now())
+}
+
+/// Microseconds from the Unix epoch to `t` (0 before it).
+pub fn epoch_us(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
 }
 

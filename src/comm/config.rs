@@ -73,7 +73,9 @@ impl Default for CommConfig {
     }
 }
 
-fn env_number(names: &[&str]) -> Result<Option<f64>> {
+/// The first of `names` that is set, read as a positive number (an error names the
+/// variable otherwise).
+pub(crate) fn env_number(names: &[&str]) -> Result<Option<f64>> {
     for name in names {
         if let Ok(text) = std::env::var(name) {
             let v: f64 = text.trim().parse().map_err(|_| Error::Env {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 pub use config::CommConfig;
+pub(crate) use config::env_number;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::engine::progress::{Pending, ProgressThread, Turns, pending};

@@ -64,21 +64,7 @@ impl PgOptions {
     /// Defaults with the environment variables applied.
     pub fn from_env() -> Result<Self> {
         let mut o = PgOptions::default();
-        let number = |var: &str| -> Result<Option<f64>> {
-            match std::env::var(var) {
-                Ok(t) => t
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|v| v.is_finite() && *v > 0.0)
-                    .map(Some)
-                    .ok_or_else(|| Error::Env {
-                        var: var.into(),
-                        detail: format!("{t:?} is not a positive number"),
-                    }),
-                Err(_) => Ok(None),
-            }
-        };
+        let number = |var: &str| crate::comm::env_number(&[var]);
         if let Some(v) = number("FERROCCL_PG_TIMEOUT")? {
             o.timeout = Duration::try_from_secs_f64(v).map_err(|_| Error::Env {
                 var: "FERROCCL_PG_TIMEOUT".into(),
@@ -217,6 +203,22 @@ struct Call {
 }
 
 impl Call {
+    /// A call of `op` on `count` elements of `T`.
+    fn of<T: Element>(
+        op: &'static str,
+        count: usize,
+        peer: Option<usize>,
+        reduce: Option<ReduceOp>,
+    ) -> Self {
+        Call {
+            op,
+            dtype: T::DTYPE.name().into(),
+            count,
+            peer,
+            reduce,
+        }
+    }
+
     fn signature(&self) -> String {
         let mut s = format!("{}(count {}, {}", self.op, self.count, self.dtype);
         if let Some(op) = self.reduce {
@@ -369,13 +371,7 @@ impl ProcessGroup {
 
     /// In-place all-reduce of `buf`, handed back by [`Work::wait`].
     pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Work<Vec<T>>> {
-        let call = Call {
-            op: "all_reduce",
-            dtype: T::DTYPE.name().into(),
-            count: buf.len(),
-            peer: None,
-            reduce: Some(op),
-        };
+        let call = Call::of::<T>("all_reduce", buf.len(), None, Some(op));
         self.issue(call, move |c| {
             c.all_reduce_in_place(&mut buf, op).map(|()| buf)
         })
@@ -383,13 +379,7 @@ impl ProcessGroup {
 
     /// In-place broadcast from `root`.
     pub fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
-        let call = Call {
-            op: "broadcast",
-            dtype: T::DTYPE.name().into(),
-            count: buf.len(),
-            peer: Some(root),
-            reduce: None,
-        };
+        let call = Call::of::<T>("broadcast", buf.len(), Some(root), None);
         self.issue(call, move |c| {
             c.broadcast_in_place(&mut buf, root).map(|()| buf)
         })
@@ -402,13 +392,7 @@ impl ProcessGroup {
         root: usize,
         op: ReduceOp,
     ) -> Result<Work<Vec<T>>> {
-        let call = Call {
-            op: "reduce",
-            dtype: T::DTYPE.name().into(),
-            count: buf.len(),
-            peer: Some(root),
-            reduce: Some(op),
-        };
+        let call = Call::of::<T>("reduce", buf.len(), Some(root), Some(op));
         self.issue(call, move |c| {
             c.reduce_in_place(&mut buf, op, root).map(|()| buf)
         })
@@ -417,13 +401,7 @@ impl ProcessGroup {
     /// Every rank's `send`, concatenated by rank.
     pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Result<Work<Vec<T>>> {
         let n = self.size();
-        let call = Call {
-            op: "all_gather",
-            dtype: T::DTYPE.name().into(),
-            count: send.len(),
-            peer: None,
-            reduce: None,
-        };
+        let call = Call::of::<T>("all_gather", send.len(), None, None);
         self.issue(call, move |c| {
             let mut out = send.clone();
             out.resize(
@@ -444,13 +422,7 @@ impl ProcessGroup {
                 send.len()
             )));
         }
-        let call = Call {
-            op: "reduce_scatter",
-            dtype: T::DTYPE.name().into(),
-            count: send.len() / n,
-            peer: None,
-            reduce: Some(op),
-        };
+        let call = Call::of::<T>("reduce_scatter", send.len() / n, None, Some(op));
         self.issue(call, move |c| {
             let mut out = send[..send.len() / n].to_vec();
             c.reduce_scatter(&send, &mut out, op).map(|()| out)
@@ -467,13 +439,7 @@ impl ProcessGroup {
                 send.len()
             )));
         }
-        let call = Call {
-            op: "all_to_all",
-            dtype: T::DTYPE.name().into(),
-            count: send.len() / n,
-            peer: None,
-            reduce: None,
-        };
+        let call = Call::of::<T>("all_to_all", send.len() / n, None, None);
         self.issue(call, move |c| {
             let mut out = send.clone();
             c.all_to_all(&send, &mut out).map(|()| out)
@@ -484,13 +450,7 @@ impl ProcessGroup {
     /// vector).
     pub fn gather<T: Element>(&self, send: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
         let (n, me) = (self.size(), self.rank());
-        let call = Call {
-            op: "gather",
-            dtype: T::DTYPE.name().into(),
-            count: send.len(),
-            peer: Some(root),
-            reduce: None,
-        };
+        let call = Call::of::<T>("gather", send.len(), Some(root), None);
         self.issue(call, move |c| {
             let mut out = if me == root {
                 send.repeat(n)
@@ -516,13 +476,7 @@ impl ProcessGroup {
                 self.size()
             )));
         }
-        let call = Call {
-            op: "scatter",
-            dtype: T::DTYPE.name().into(),
-            count,
-            peer: Some(root),
-            reduce: None,
-        };
+        let call = Call::of::<T>("scatter", count, Some(root), None);
         self.issue(call, move |c| {
             let mut out = vec![T::from_f64(0.0); count];
             c.scatter(&send, &mut out, root).map(|()| out)
@@ -531,25 +485,13 @@ impl ProcessGroup {
 
     /// Sends `buf` to `peer` (handed back when sent).
     pub fn send<T: Element>(&self, buf: Vec<T>, peer: usize) -> Result<Work<Vec<T>>> {
-        let call = Call {
-            op: "send",
-            dtype: T::DTYPE.name().into(),
-            count: buf.len(),
-            peer: Some(peer),
-            reduce: None,
-        };
+        let call = Call::of::<T>("send", buf.len(), Some(peer), None);
         self.issue(call, move |c| c.send(&buf, peer).map(|()| buf))
     }
 
     /// Receives into `buf` from `peer`.
     pub fn recv<T: Element>(&self, mut buf: Vec<T>, peer: usize) -> Result<Work<Vec<T>>> {
-        let call = Call {
-            op: "recv",
-            dtype: T::DTYPE.name().into(),
-            count: buf.len(),
-            peer: Some(peer),
-            reduce: None,
-        };
+        let call = Call::of::<T>("recv", buf.len(), Some(peer), None);
         self.issue(call, move |c| c.recv(&mut buf, peer).map(|()| buf))
     }
 

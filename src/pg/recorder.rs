@@ -4,7 +4,9 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::trace::epoch_us;
 
 use crate::error::Error;
 
@@ -57,11 +59,6 @@ struct Times {
     /// Set by the watchdog when it gives up on the call: the ranks that had not reached
     /// it, and how long it ran.
     watchdog: Option<(Vec<usize>, Duration)>,
-}
-
-fn epoch_us(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl Entry {
