@@ -126,6 +126,24 @@ fn api(function: &str, body: impl FnOnce() -> Result<c_int, Failure>) -> c_int {
     }
 }
 
+/// [`api`] for calls a group can hold (collectives, point-to-point, init): inside a
+/// group, one that fails its checks fails the whole group.
+fn group_api(function: &str, body: impl FnOnce() -> Result<c_int, Failure>) -> c_int {
+    api(function, || {
+        let r = body();
+        if let Err(f) = &r {
+            group::fail(f);
+        }
+        r
+    })
+}
+
+/// A root or peer argument, which must not be negative (its range is checked against
+/// the communicator later).
+fn index_arg(value: c_int, what: &str) -> Result<usize, Failure> {
+    usize::try_from(value).map_err(|_| invalid(format!("{what} {value} is negative")))
+}
+
 fn invalid(message: impl Into<String>) -> Failure {
     Failure::new(INVALID_ARGUMENT, message)
 }
@@ -171,34 +189,6 @@ pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar,
 /// The buffers must be valid for the call as NCCL defines it.
 #[allow(clippy::too_many_arguments)]
 unsafe fn collective(
-    comm: *mut c_void,
-    collective: Collective,
-    count: usize,
-    datatype: c_int,
-    op: Option<c_int>,
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    stream: *mut c_void,
-) -> Result<c_int, Failure> {
-    // SAFETY: forwarded.
-    let r = unsafe {
-        checked_collective(
-            comm, collective, count, datatype, op, sendbuff, recvbuff, stream,
-        )
-    };
-    if let Err(f) = &r {
-        // Inside a group, a call that fails its checks fails the whole group.
-        group::fail(f);
-    }
-    r
-}
-
-/// [`collective`] without the group bookkeeping.
-///
-/// # Safety
-/// As [`collective`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn checked_collective(
     comm: *mut c_void,
     collective: Collective,
     count: usize,
@@ -298,21 +288,6 @@ fn allocations() -> &'static Mutex<HashMap<usize, std::alloc::Layout>> {
 
 /// Joins a communicator now, later in the group, or in the background.
 fn init_rank(
-    comm: *mut *mut c_void,
-    nranks: c_int,
-    id: &NcclUniqueId,
-    rank: c_int,
-    config: *const c_void,
-) -> Result<c_int, Failure> {
-    let r = checked_init_rank(comm, nranks, id, rank, config);
-    if let Err(f) = &r {
-        group::fail(f);
-    }
-    r
-}
-
-/// [`init_rank`] without the group bookkeeping.
-fn checked_init_rank(
     comm: *mut *mut c_void,
     nranks: c_int,
     id: &NcclUniqueId,
@@ -441,7 +416,7 @@ nccl_api! {
         rank: c_int,
         config: *mut c_void,
     ) -> c_int {
-        api("ncclCommInitRankConfig", || init_rank(comm, nranks, &comm_id, rank, config))
+        group_api("ncclCommInitRankConfig", || init_rank(comm, nranks, &comm_id, rank, config))
     }
 
     /// `ncclCommInitRank`: joins a communicator (blocking).
@@ -451,7 +426,7 @@ nccl_api! {
         comm_id: NcclUniqueId,
         rank: c_int,
     ) -> c_int {
-        api("ncclCommInitRank", || init_rank(comm, nranks, &comm_id, rank, std::ptr::null()))
+        group_api("ncclCommInitRank", || init_rank(comm, nranks, &comm_id, rank, std::ptr::null()))
     }
 
     /// `ncclCommInitAll`: `ndev` ranks in this process; `comm[i]` is rank `i`. The
@@ -811,8 +786,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclReduce", || {
-            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+        group_api("ncclReduce", || {
+            let root = index_arg(root, "root")?;
             // SAFETY: the caller's buffers, as NCCL defines them for this call.
             unsafe {
                 collective(comm, Collective::Reduce { root }, count, datatype, Some(op),
@@ -830,8 +805,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclBcast", || {
-            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+        group_api("ncclBcast", || {
+            let root = index_arg(root, "root")?;
             // SAFETY: as for ncclBroadcast with sendbuff == recvbuff.
             unsafe {
                 collective(comm, Collective::Broadcast { root }, count, datatype, None,
@@ -850,8 +825,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclBroadcast", || {
-            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+        group_api("ncclBroadcast", || {
+            let root = index_arg(root, "root")?;
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::Broadcast { root }, count, datatype, None,
@@ -870,7 +845,7 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclAllReduce", || {
+        group_api("ncclAllReduce", || {
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::AllReduce, count, datatype, Some(op),
@@ -889,7 +864,7 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclReduceScatter", || {
+        group_api("ncclReduceScatter", || {
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::ReduceScatter, recvcount, datatype, Some(op),
@@ -907,7 +882,7 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclAllGather", || {
+        group_api("ncclAllGather", || {
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::AllGather, sendcount, datatype, None,
@@ -925,7 +900,7 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclAlltoAll", || {
+        group_api("ncclAlltoAll", || {
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::AllToAll, count, datatype, None,
@@ -944,8 +919,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclGather", || {
-            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+        group_api("ncclGather", || {
+            let root = index_arg(root, "root")?;
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::Gather { root }, count, datatype, None,
@@ -964,8 +939,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclScatter", || {
-            let root = usize::try_from(root).map_err(|_| invalid(format!("root {root}")))?;
+        group_api("ncclScatter", || {
+            let root = index_arg(root, "root")?;
             // SAFETY: the caller's buffers.
             unsafe {
                 collective(comm, Collective::Scatter { root }, count, datatype, None,
@@ -983,8 +958,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclSend", || {
-            let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
+        group_api("ncclSend", || {
+            let peer = index_arg(peer, "peer")?;
             // SAFETY: the caller's buffer.
             unsafe {
                 collective(comm, Collective::Send { peer }, count, datatype, None,
@@ -1002,8 +977,8 @@ nccl_api! {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> c_int {
-        api("ncclRecv", || {
-            let peer = usize::try_from(peer).map_err(|_| invalid(format!("peer {peer}")))?;
+        group_api("ncclRecv", || {
+            let peer = index_arg(peer, "peer")?;
             // SAFETY: the caller's buffer.
             unsafe {
                 collective(comm, Collective::Recv { peer }, count, datatype, None,
