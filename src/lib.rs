@@ -93,3 +93,10 @@ pub use error::{Error, Result};
 /// The `half` crate, whose `f16` and `bf16` are ferroccl's 16-bit float elements.
 pub use half;
 pub use types::{DataType, Element, F8E4M3, F8E5M2, ReduceOp, Scalar};
+
+/// Locks `m`, taking the data of a poisoned mutex: the panic that poisoned it has
+/// already been reported, and ferroccl's shared state stays consistent between
+/// statements.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

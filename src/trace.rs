@@ -116,7 +116,7 @@ struct TraceWriter {
 
 impl TraceWriter {
     fn write(&self, kind: &str, fields: &Fields, extra: &str, flush: bool) {
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        let mut files = crate::lock(&self.files);
         let file = files.entry(fields.rank).or_insert_with(|| {
             let path = self
                 .dir
@@ -146,19 +146,11 @@ impl<S: Subscriber> Layer<S> for TraceWriter {
         }
         let mut f = Fields::default();
         attrs.record(&mut f);
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), (f, now_us()));
+        crate::lock(&self.open).insert(id.clone(), (f, now_us()));
     }
 
     fn on_close(&self, id: Id, _ctx: Context<'_, S>) {
-        let Some((f, start)) = self
-            .open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-        else {
+        let Some((f, start)) = crate::lock(&self.open).remove(&id) else {
             return;
         };
         let times = format!(",\"start_us\":{start},\"end_us\":{}", now_us());

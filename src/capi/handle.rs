@@ -7,10 +7,11 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{Failure, IN_PROGRESS, INVALID_ARGUMENT, INVALID_USAGE, result_of};
 use crate::comm::Communicator;
+use crate::lock;
 use crate::types::{DataType, ReduceOp, Scalar};
 
 /// Where a communicator is in its life.
@@ -48,11 +49,6 @@ pub struct CommHandle {
     pub user_ops: Mutex<Vec<Option<UserOp>>>,
     /// Live registrations (`ncclCommRegister`): handle address → (buffer, size).
     pub registrations: Mutex<HashMap<usize, (usize, usize)>>,
-}
-
-/// Locks a mutex, taking the data of a poisoned one (a panic was already reported).
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn registry() -> &'static Mutex<HashMap<usize, Arc<CommHandle>>> {

@@ -29,9 +29,10 @@ use std::sync::{Mutex, OnceLock};
 use crate::bootstrap::{UNIQUE_ID_BYTES, UniqueId};
 use crate::comm::{CommConfig, Communicator, RawCall};
 use crate::error::Error;
+use crate::lock;
 use crate::plan::Collective;
 use crate::types::{DataType, ReduceOp, Scalar};
-use handle::{CommHandle, Life, UserOp, lock};
+use handle::{CommHandle, Life, UserOp};
 
 /// `ncclSuccess`.
 pub const SUCCESS: c_int = 0;

@@ -526,12 +526,8 @@ impl ProcessGroup {
 
     fn shutdown_watchdog(&self) {
         self.inner.stop.store(true, Ordering::SeqCst);
-        if let Some(h) = self
-            .watchdog
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        let handle = crate::lock(&self.watchdog).take();
+        if let Some(h) = handle {
             let _ = h.join();
         }
     }

@@ -111,7 +111,7 @@ impl Entry {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Times> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.inner)
     }
 
     fn to_json(&self) -> serde_json::Value {
@@ -173,7 +173,7 @@ impl FlightRecorder {
                 watchdog: None,
             }),
         });
-        let mut q = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = crate::lock(&self.entries);
         if q.len() == self.capacity {
             q.pop_front();
         }
@@ -183,12 +183,7 @@ impl FlightRecorder {
 
     /// The entries, oldest first.
     pub fn entries(&self) -> Vec<Arc<Entry>> {
-        self.entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .cloned()
-            .collect()
+        crate::lock(&self.entries).iter().cloned().collect()
     }
 
     /// The oldest call still running longer than `timeout`, if any.

@@ -25,7 +25,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,7 @@ use super::bell::{BELL_BYTES, Bell, Closed};
 use super::fifo::{self, Geometry, RecvEnd, SendEnd};
 use super::segment::{Segment, SegmentKind};
 use crate::error::{Error, Result};
+use crate::lock;
 
 const FRAME_DATA: u32 = 0;
 const FRAME_CLOSE: u32 = 1;
@@ -143,10 +144,6 @@ struct Shared {
     striping: Striping,
     /// Bytes per slot of the incoming FIFO.
     slot_bytes: usize,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
