@@ -1048,16 +1048,10 @@ impl Builder<'_> {
     fn tree_broadcast(&self, root: usize) -> Vec<Lane> {
         let t = tree::RankTree::rooted_at(self.hosts, root);
         let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
-        (0..self.channels())
-            .map(|c| {
-                let mut steps = Vec::new();
-                for (off, l) in self.block_chunks(c) {
-                    let (inp, out) = (Region::input(off, l), Region::output(off, l));
-                    steps.extend(tree_down(parent, kids, inp, out));
-                }
-                lane(c, steps)
-            })
-            .collect()
+        self.lanes_by_chunk(|_, off, l, steps| {
+            let (inp, out) = (Region::input(off, l), Region::output(off, l));
+            steps.extend(tree_down(parent, kids, inp, out));
+        })
     }
 
     /// The chunks of this channel's share of one block: `(offset within block, len)`.
@@ -1071,89 +1065,93 @@ impl Builder<'_> {
             .collect()
     }
 
-    /// Ring reduce-scatter: like the first half of all-reduce over blocks, arranged so
-    /// that rank `r` completes block `r`.
-    fn ring_reduce_scatter(&self) -> Vec<Lane> {
-        let (n, count) = (self.nranks, self.count);
+    /// One lane per channel, built chunk by chunk over the channel's share of a block:
+    /// `chunk_steps(ring view, offset, len, steps)` appends one chunk's steps.
+    fn lanes_by_chunk(
+        &self,
+        mut chunk_steps: impl FnMut(&RingView<'_>, usize, usize, &mut Vec<Step>),
+    ) -> Vec<Lane> {
         (0..self.channels())
             .map(|c| {
-                let mut steps = Vec::new();
                 let v = self.view(c);
+                let mut steps = Vec::new();
                 for (off, l) in self.block_chunks(c) {
-                    if n == 1 {
-                        steps.push(Step::Copy {
-                            src: Region::input(off, l),
-                            dst: Region::output(off, l),
-                        });
-                        continue;
-                    }
-                    for s in 0..n {
-                        // At step s handle the block of the rank s+1 positions back, so
-                        // that the last step (s = n−1) completes this rank's own block.
-                        let block = v.before(s + 1);
-                        let src = Region::input(block * count + off, l);
-                        steps.push(match s {
-                            0 => Step::Send { to: v.next(), src },
-                            s if s < n - 1 => Step::RecvReduceSend {
-                                from: v.prev(),
-                                to: v.next(),
-                                src,
-                            },
-                            _ => Step::RecvReduceCopy {
-                                from: v.prev(),
-                                src,
-                                dst: Region::output(off, l),
-                                post: true,
-                            },
-                        });
-                    }
+                    chunk_steps(&v, off, l, &mut steps);
                 }
                 lane(c, steps)
             })
             .collect()
     }
 
+    /// Ring reduce-scatter: like the first half of all-reduce over blocks, arranged so
+    /// that rank `r` completes block `r`.
+    fn ring_reduce_scatter(&self) -> Vec<Lane> {
+        let (n, count) = (self.nranks, self.count);
+        self.lanes_by_chunk(|v, off, l, steps| {
+            if n == 1 {
+                steps.push(Step::Copy {
+                    src: Region::input(off, l),
+                    dst: Region::output(off, l),
+                });
+                return;
+            }
+            for s in 0..n {
+                // At step s handle the block of the rank s+1 positions back, so that the
+                // last step (s = n−1) completes this rank's own block.
+                let block = v.before(s + 1);
+                let src = Region::input(block * count + off, l);
+                steps.push(match s {
+                    0 => Step::Send { to: v.next(), src },
+                    s if s < n - 1 => Step::RecvReduceSend {
+                        from: v.prev(),
+                        to: v.next(),
+                        src,
+                    },
+                    _ => Step::RecvReduceCopy {
+                        from: v.prev(),
+                        src,
+                        dst: Region::output(off, l),
+                        post: true,
+                    },
+                });
+            }
+        })
+    }
+
     /// Ring all-gather: each rank copies its block into place and sends it; every
     /// block then travels n−1 hops.
     fn ring_all_gather(&self) -> Vec<Lane> {
         let (n, count) = (self.nranks, self.count);
-        (0..self.channels())
-            .map(|c| {
-                let mut steps = Vec::new();
-                let v = self.view(c);
-                for (off, l) in self.block_chunks(c) {
-                    let own = Region::output(self.rank * count + off, l);
-                    if n == 1 {
-                        steps.push(Step::Copy {
-                            src: Region::input(off, l),
-                            dst: own,
-                        });
-                        continue;
-                    }
-                    steps.push(Step::CopySend {
+        self.lanes_by_chunk(|v, off, l, steps| {
+            let own = Region::output(self.rank * count + off, l);
+            if n == 1 {
+                steps.push(Step::Copy {
+                    src: Region::input(off, l),
+                    dst: own,
+                });
+                return;
+            }
+            steps.push(Step::CopySend {
+                to: v.next(),
+                src: Region::input(off, l),
+                dst: own,
+            });
+            for s in 1..n {
+                let dst = Region::output(v.before(s) * count + off, l);
+                steps.push(if s < n - 1 {
+                    Step::RecvCopySend {
+                        from: v.prev(),
                         to: v.next(),
-                        src: Region::input(off, l),
-                        dst: own,
-                    });
-                    for s in 1..n {
-                        let dst = Region::output(v.before(s) * count + off, l);
-                        steps.push(if s < n - 1 {
-                            Step::RecvCopySend {
-                                from: v.prev(),
-                                to: v.next(),
-                                dst,
-                            }
-                        } else {
-                            Step::Recv {
-                                from: v.prev(),
-                                dst,
-                            }
-                        });
+                        dst,
                     }
-                }
-                lane(c, steps)
-            })
-            .collect()
+                } else {
+                    Step::Recv {
+                        from: v.prev(),
+                        dst,
+                    }
+                });
+            }
+        })
     }
 
     /// Broadcast pipelined along the ring, starting at the root.
