@@ -1,5 +1,5 @@
-//! Choosing the algorithm: an α-β cost model per transport, predicting each candidate's
-//! time for a call and picking the fastest.
+//! Choosing the algorithm and the protocol: an α-β cost model per link and protocol,
+//! predicting each candidate's time for a call and picking the fastest.
 //!
 //! A step over a link costs `α + bytes / β`: `α` the latency of one hand-off (the
 //! peer's turn to run, a wake-up, a network hop), `β` the bandwidth. For an all-reduce of
@@ -16,13 +16,26 @@
 //!   `2(d·α_net + (k−1)·α_local) + 2·S/β_net`.
 //!
 //! The ring wins on bandwidth, the tree on latency once there are several hosts; the
-//! crossover is where the two lines meet ([`CostModel::crossover`]). The parameters have
-//! defaults measured on the project's 2-core machine; `ferroccl-tune` measures them
-//! anywhere, and `FERROCCL_TUNE_LOCAL` / `FERROCCL_TUNE_NET` (`alpha_us,gbps`) set them.
-//! All ranks use rank 0's model (exchanged at initialisation), so they always agree.
+//! crossover is where the two lines meet ([`CostModel::crossover`]).
+//!
+//! The **protocol** (see [`Protocol`]) changes the local link's `α` and `β`: LL hands a
+//! small message over in fewer cache lines but moves half the bytes per line, so it wins
+//! below some size and Simple above. Across hosts the model offers only Simple unless
+//! LL is forced: over TCP an LL call still uses the Simple FIFOs, but in LL-sized
+//! slices, each a hand-off through the proxies (measured on loopback, 2 ranks, 512 KiB:
+//! 0.24 GB/s with LL slices against 2.0 GB/s with Simple ones), which this model does
+//! not describe.
+//! Collectives without a choice of algorithm (all-gather, reduce-scatter, reduce,
+//! the direct ones, send/recv) still get the protocol their step count and bytes favour.
+//!
+//! The parameters have defaults measured on the project's 2-core machine;
+//! `ferroccl-tune measure` measures them anywhere, and `FERROCCL_TUNE_LOCAL`,
+//! `FERROCCL_TUNE_LOCAL_LL` and `FERROCCL_TUNE_NET` (`alpha_us,gbps`) set them. All ranks
+//! use rank 0's model (exchanged at initialisation), so they always agree.
 
 use crate::error::{Error, Result};
-use crate::plan::Algorithm;
+use crate::plan::{Algorithm, Collective};
+use crate::transport::Protocol;
 
 /// Latency and bandwidth of one kind of link.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,124 +83,252 @@ impl LinkCost {
 pub struct Shape {
     /// Ranks.
     pub ranks: usize,
-    /// Hosts.
+    /// Hosts (every rank counts as a host of its own when TCP is forced between all).
     pub hosts: usize,
     /// Most ranks on one host.
     pub ranks_per_host: usize,
 }
 
-/// The cost model: one link cost inside a host, one between hosts.
+/// What the model picks for a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Choice {
+    /// How the data moves between ranks.
+    pub algorithm: Algorithm,
+    /// How each slice crosses a FIFO.
+    pub protocol: Protocol,
+}
+
+impl Choice {
+    /// The usual pick for large messages.
+    pub const RING_SIMPLE: Choice = Choice {
+        algorithm: Algorithm::Ring,
+        protocol: Protocol::Simple,
+    };
+
+    /// `ring/Simple`, `tree/LL`, …
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.algorithm.name(), self.protocol.name())
+    }
+}
+
+/// The cost model: the links inside a host (per protocol) and between hosts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
-    /// Between ranks of one host (shared memory).
+    /// Between ranks of one host, Simple protocol (shared memory).
     pub local: LinkCost,
+    /// Between ranks of one host, LL protocol.
+    pub local_ll: LinkCost,
     /// Between hosts (TCP).
     pub net: LinkCost,
 }
 
 impl Default for CostModel {
     /// Measured on a 2-core VM: shared memory hands off in about 1 µs when ranks share
-    /// cores and moves ~10 GB/s; loopback TCP through the proxies takes ~30 µs a step
-    /// and ~1.6 GB/s.
+    /// cores and moves ~10 GB/s; LL hands off about 0.09 µs sooner (`ferroccl-tune
+    /// measure`, 2 processes: 8-byte ping-pong 0.48 µs against 0.56–0.62 µs) and moves
+    /// ~2 GB/s (1.85–2.26 GB/s measured); loopback TCP through the proxies takes ~30 µs
+    /// a step and ~1.6 GB/s.
     fn default() -> Self {
         CostModel {
             local: LinkCost::new(1.0, 10.0),
+            local_ll: LinkCost::new(0.9, 2.0),
             net: LinkCost::new(30.0, 1.6),
         }
     }
 }
 
 impl CostModel {
-    /// Defaults with `FERROCCL_TUNE_LOCAL` / `FERROCCL_TUNE_NET` applied.
+    /// Defaults with `FERROCCL_TUNE_LOCAL` / `FERROCCL_TUNE_LOCAL_LL` /
+    /// `FERROCCL_TUNE_NET` applied.
     pub fn from_env() -> Result<Self> {
         let mut m = CostModel::default();
-        if let Ok(t) = std::env::var("FERROCCL_TUNE_LOCAL") {
-            m.local = LinkCost::parse("FERROCCL_TUNE_LOCAL", &t)?;
-        }
-        if let Ok(t) = std::env::var("FERROCCL_TUNE_NET") {
-            m.net = LinkCost::parse("FERROCCL_TUNE_NET", &t)?;
+        for (var, cost) in [
+            ("FERROCCL_TUNE_LOCAL", &mut m.local),
+            ("FERROCCL_TUNE_LOCAL_LL", &mut m.local_ll),
+            ("FERROCCL_TUNE_NET", &mut m.net),
+        ] {
+            if let Ok(t) = std::env::var(var) {
+                *cost = LinkCost::parse(var, &t)?;
+            }
         }
         Ok(m)
     }
 
-    /// The link that paces a ring: the network as soon as there are two hosts.
-    fn slowest(&self, shape: Shape) -> LinkCost {
-        if shape.hosts > 1 {
-            self.net
+    /// The wire form, for sharing rank 0's model: `local;local_ll;net`.
+    pub fn to_text(&self) -> String {
+        format!(
+            "{};{};{}",
+            self.local.to_text(),
+            self.local_ll.to_text(),
+            self.net.to_text()
+        )
+    }
+
+    /// Reads [`CostModel::to_text`]'s form; `whose` names it in errors.
+    pub fn parse(whose: &str, text: &str) -> Result<Self> {
+        let parts: Vec<&str> = text.split(';').collect();
+        let [local, local_ll, net] = parts[..] else {
+            return Err(Error::Env {
+                var: whose.into(),
+                detail: format!("{text:?} is not `local;local_ll;net`"),
+            });
+        };
+        Ok(CostModel {
+            local: LinkCost::parse(whose, local)?,
+            local_ll: LinkCost::parse(whose, local_ll)?,
+            net: LinkCost::parse(whose, net)?,
+        })
+    }
+
+    /// The link inside a host with `protocol`.
+    fn local(&self, protocol: Protocol) -> LinkCost {
+        match protocol {
+            Protocol::Simple => self.local,
+            Protocol::LL => self.local_ll,
+        }
+    }
+
+    /// What paces a pipeline through every rank: one host, its local link; several,
+    /// the network's latency and the slower of the two bandwidths.
+    fn pace(&self, shape: Shape, protocol: Protocol) -> LinkCost {
+        let local = self.local(protocol);
+        if shape.hosts <= 1 {
+            local
+        } else if shape.ranks_per_host > 1 {
+            LinkCost {
+                alpha: self.net.alpha,
+                beta: self.net.beta.min(local.beta),
+            }
         } else {
-            self.local
+            self.net
         }
     }
 
     /// One pass down (or up) the tree: ⌈log₂ hosts⌉ network levels and the host chain.
-    fn tree_pass(&self, shape: Shape) -> f64 {
+    fn tree_pass(&self, shape: Shape, protocol: Protocol) -> f64 {
         let levels = (shape.hosts.max(1) as f64).log2().ceil();
         let chain = shape.ranks_per_host.max(1) as f64 - 1.0;
-        levels * self.net.alpha + chain * self.local.alpha
+        levels * self.net.alpha + chain * self.local(protocol).alpha
     }
 
-    /// Predicted seconds for an all-reduce of `bytes` with `algo`.
-    pub fn all_reduce(&self, algo: Algorithm, bytes: usize, shape: Shape) -> f64 {
+    /// Predicted seconds for an all-reduce of `bytes` with `choice`.
+    pub fn all_reduce(&self, choice: Choice, bytes: usize, shape: Shape) -> f64 {
         let n = shape.ranks.max(1) as f64;
         if shape.ranks <= 1 {
             return 0.0;
         }
         let s = bytes as f64;
-        let slow = self.slowest(shape);
-        match algo {
+        let pace = self.pace(shape, choice.protocol);
+        match choice.algorithm {
             Algorithm::OneShot if shape.ranks != 2 => f64::INFINITY,
             // One hand-off, but each rank reduces the whole buffer instead of half of it.
-            Algorithm::OneShot => slow.alpha + s / slow.beta + s / self.local.beta,
-            Algorithm::Ring => 2.0 * (n - 1.0) * slow.alpha + 2.0 * (n - 1.0) / n * s / slow.beta,
-            Algorithm::Tree => 2.0 * self.tree_pass(shape) + 2.0 * s / slow.beta,
+            Algorithm::OneShot => pace.alpha + s / pace.beta + s / self.local.beta,
+            Algorithm::Ring => 2.0 * (n - 1.0) * pace.alpha + 2.0 * (n - 1.0) / n * s / pace.beta,
+            Algorithm::Tree => 2.0 * self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
         }
     }
 
-    /// Predicted seconds for a broadcast of `bytes` with `algo`: a pipelined chain along
-    /// the ring, `(n−1)·α + S/β`, or down the tree, `(d·α_net + (k−1)·α_local) + 2·S/β`
-    /// (an inner node sends each chunk to two children).
-    pub fn broadcast(&self, algo: Algorithm, bytes: usize, shape: Shape) -> f64 {
+    /// Predicted seconds for a broadcast of `bytes` with `choice`: a pipelined chain
+    /// along the ring, `(n−1)·α + S/β`, or down the tree, `(d·α_net + (k−1)·α_local) +
+    /// 2·S/β` (an inner node sends each chunk to two children).
+    pub fn broadcast(&self, choice: Choice, bytes: usize, shape: Shape) -> f64 {
         if shape.ranks <= 1 {
             return 0.0;
         }
         let s = bytes as f64;
-        let slow = self.slowest(shape);
-        match algo {
+        let pace = self.pace(shape, choice.protocol);
+        match choice.algorithm {
             Algorithm::OneShot => f64::INFINITY,
-            Algorithm::Ring => (shape.ranks as f64 - 1.0) * slow.alpha + s / slow.beta,
-            Algorithm::Tree => self.tree_pass(shape) + 2.0 * s / slow.beta,
+            Algorithm::Ring => (shape.ranks as f64 - 1.0) * pace.alpha + s / pace.beta,
+            Algorithm::Tree => self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
         }
     }
 
-    /// The fastest of `allowed` for a broadcast of `bytes` (ring if none applies).
-    pub fn best_broadcast(&self, bytes: usize, shape: Shape, allowed: &[Algorithm]) -> Algorithm {
-        best(allowed, |a| self.broadcast(a, bytes, shape))
+    /// Predicted seconds for `collective` on `bytes` per rank (its count times the
+    /// element size) with `choice`. All-reduce and broadcast as above; reduce as a
+    /// broadcast's chain; all-gather and reduce-scatter `n−1` ring steps of one block;
+    /// the direct collectives and send/recv one hand-off and the blocks they move.
+    pub fn time(&self, collective: Collective, choice: Choice, bytes: usize, shape: Shape) -> f64 {
+        let n1 = shape.ranks.saturating_sub(1) as f64;
+        let s = bytes as f64;
+        let pace = self.pace(shape, choice.protocol);
+        let ring_only = choice.algorithm == Algorithm::Ring;
+        match collective {
+            Collective::AllReduce => self.all_reduce(choice, bytes, shape),
+            Collective::Broadcast { .. } => self.broadcast(choice, bytes, shape),
+            _ if !ring_only => f64::INFINITY,
+            Collective::Reduce { .. } => self.broadcast(choice, bytes, shape),
+            Collective::AllGather | Collective::ReduceScatter => n1 * (pace.alpha + s / pace.beta),
+            Collective::AllToAll | Collective::Gather { .. } | Collective::Scatter { .. } => {
+                pace.alpha + n1 * s / pace.beta
+            }
+            Collective::Send { .. } | Collective::Recv { .. } => pace.alpha + s / pace.beta,
+        }
     }
 
-    /// The fastest of `allowed` for an all-reduce of `bytes` (ring if none applies).
-    pub fn best_all_reduce(&self, bytes: usize, shape: Shape, allowed: &[Algorithm]) -> Algorithm {
-        best(allowed, |a| self.all_reduce(a, bytes, shape))
+    /// The fastest of `algorithms` × `protocols` for `collective` on `bytes` per rank;
+    /// ties go to the earlier algorithm, then the earlier protocol. Across hosts LL is a
+    /// candidate only when it is the only protocol allowed. When no algorithm applies
+    /// (one-shot on more than two ranks), the ring with the first protocol.
+    pub fn best(
+        &self,
+        collective: Collective,
+        bytes: usize,
+        shape: Shape,
+        algorithms: &[Algorithm],
+        protocols: &[Protocol],
+    ) -> Choice {
+        let across_hosts = [Protocol::Simple];
+        let protocols = if shape.hosts > 1 && protocols.contains(&Protocol::Simple) {
+            &across_hosts[..]
+        } else {
+            protocols
+        };
+        let mut best: Option<(Choice, f64)> = None;
+        for &algorithm in algorithms {
+            for &protocol in protocols {
+                let c = Choice {
+                    algorithm,
+                    protocol,
+                };
+                let t = self.time(collective, c, bytes, shape);
+                if t.is_finite() && best.is_none_or(|(_, b)| t < b) {
+                    best = Some((c, t));
+                }
+            }
+        }
+        best.map_or(
+            Choice {
+                algorithm: Algorithm::Ring,
+                protocol: protocols.first().copied().unwrap_or_default(),
+            },
+            |(c, _)| c,
+        )
     }
 
-    /// The faster of ring and tree for a broadcast of `bytes`.
-    pub fn choose_broadcast(&self, bytes: usize, shape: Shape) -> Algorithm {
-        self.best_broadcast(bytes, shape, &[Algorithm::Ring, Algorithm::Tree])
+    /// The model's pick for an all-reduce of `bytes` among ring and tree and every
+    /// protocol.
+    pub fn choose(&self, bytes: usize, shape: Shape) -> Choice {
+        self.best(
+            Collective::AllReduce,
+            bytes,
+            shape,
+            &[Algorithm::Ring, Algorithm::Tree],
+            &Protocol::ALL,
+        )
     }
 
-    /// The faster of ring and tree for an all-reduce of `bytes`.
-    pub fn choose(&self, bytes: usize, shape: Shape) -> Algorithm {
-        self.best_all_reduce(bytes, shape, &[Algorithm::Ring, Algorithm::Tree])
-    }
-
-    /// The size below which the tree is faster, if there is one.
-    pub fn crossover(&self, shape: Shape) -> Option<usize> {
-        if self.choose(1, shape) != Algorithm::Tree {
+    /// The size from which [`CostModel::choose`]'s pick stops satisfying `below` (for
+    /// example "is the tree", "is LL"), if it satisfies it for 1 byte. Each choice
+    /// changes once as the size grows, so a binary search finds it.
+    pub fn crossover(&self, shape: Shape, below: impl Fn(Choice) -> bool) -> Option<usize> {
+        if !below(self.choose(1, shape)) {
             return None;
         }
         let (mut lo, mut hi) = (1usize, 1usize << 40);
         while lo + 1 < hi {
             let mid = lo + (hi - lo) / 2;
-            if self.choose(mid, shape) == Algorithm::Tree {
+            if below(self.choose(mid, shape)) {
                 lo = mid;
             } else {
                 hi = mid;
@@ -197,83 +338,137 @@ impl CostModel {
     }
 }
 
-/// The algorithm of `allowed` with the smallest finite `cost`, ties to the earlier one;
-/// the ring when none is finite.
-fn best(allowed: &[Algorithm], cost: impl Fn(Algorithm) -> f64) -> Algorithm {
-    allowed
-        .iter()
-        .map(|&a| (a, cost(a)))
-        .filter(|(_, c)| c.is_finite())
-        .fold(None, |acc: Option<(Algorithm, f64)>, (a, c)| match acc {
-            Some((_, best)) if best <= c => acc,
-            _ => Some((a, c)),
-        })
-        .map_or(Algorithm::Ring, |(a, _)| a)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn shape(ranks: usize, hosts: usize) -> Shape {
+        Shape {
+            ranks,
+            hosts,
+            ranks_per_host: ranks.div_ceil(hosts),
+        }
+    }
+
+    fn is_tree(c: Choice) -> bool {
+        c.algorithm == Algorithm::Tree
+    }
+
     #[test]
     fn ring_for_bandwidth_tree_for_latency_across_hosts() {
         let m = CostModel::default();
-        let one_host = Shape {
-            ranks: 8,
-            hosts: 1,
-            ranks_per_host: 8,
-        };
+        let one_host = shape(8, 1);
         assert_eq!(
-            m.choose(8, one_host),
+            m.choose(8, one_host).algorithm,
             Algorithm::Ring,
             "a chain gains nothing"
         );
-        assert_eq!(m.crossover(one_host), None);
-        let hosts = Shape {
-            ranks: 16,
-            hosts: 16,
-            ranks_per_host: 1,
-        };
-        assert_eq!(m.choose(8, hosts), Algorithm::Tree);
-        assert_eq!(m.choose(1 << 30, hosts), Algorithm::Ring);
-        let x = m.crossover(hosts).unwrap();
-        assert_eq!(m.choose(x - 1, hosts), Algorithm::Tree);
-        assert_eq!(m.choose(x, hosts), Algorithm::Ring);
+        assert_eq!(m.crossover(one_host, is_tree), None);
+        let hosts = shape(16, 16);
+        assert_eq!(m.choose(8, hosts).algorithm, Algorithm::Tree);
+        assert_eq!(m.choose(1 << 30, hosts), Choice::RING_SIMPLE);
+        let x = m.crossover(hosts, is_tree).unwrap();
+        assert_eq!(m.choose(x - 1, hosts).algorithm, Algorithm::Tree);
+        assert_eq!(m.choose(x, hosts).algorithm, Algorithm::Ring);
         // More hosts: the ring's latency grows linearly, the tree's logarithmically, so
         // the tree stays ahead for larger messages.
-        let many = Shape {
-            ranks: 64,
-            hosts: 64,
-            ranks_per_host: 1,
-        };
-        assert!(m.crossover(many).unwrap() > x);
+        assert!(m.crossover(shape(64, 64), is_tree).unwrap() > x);
+    }
+
+    #[test]
+    fn ll_for_small_messages_inside_a_host_simple_for_large_and_across_hosts() {
+        let m = CostModel::default();
+        let is_ll = |c: Choice| c.protocol == Protocol::LL;
+        for ranks in [2, 4, 8] {
+            let one_host = shape(ranks, 1);
+            assert_eq!(
+                m.choose(8, one_host).protocol,
+                Protocol::LL,
+                "{ranks} ranks"
+            );
+            assert_eq!(m.choose(1 << 26, one_host), Choice::RING_SIMPLE);
+            let x = m.crossover(one_host, is_ll).unwrap();
+            assert!(m.choose(x - 1, one_host).protocol == Protocol::LL);
+            assert!(m.choose(x, one_host).protocol == Protocol::Simple);
+            // Where the ring's 2(n-1) hand-offs and 2(n-1)/n S bytes cost the same with
+            // either protocol: S = n (a_Simple - a_LL) / (1/b_LL - 1/b_Simple).
+            let (simple, ll) = (m.local, m.local_ll);
+            let at = ranks as f64 * (simple.alpha - ll.alpha) / (1.0 / ll.beta - 1.0 / simple.beta);
+            assert!((x as f64 - at).abs() <= at * 1e-6 + 2.0, "{x} vs {at}");
+        }
+        // Across hosts LL would slice the TCP traffic finely: Simple unless forced.
+        for hosts in [shape(4, 4), shape(8, 2)] {
+            for bytes in [8, 1 << 20] {
+                assert_eq!(m.choose(bytes, hosts).protocol, Protocol::Simple);
+            }
+            let tree_ll = Choice {
+                algorithm: Algorithm::Tree,
+                protocol: Protocol::LL,
+            };
+            let forced = m.best(
+                Collective::AllReduce,
+                8,
+                hosts,
+                &[Algorithm::Tree],
+                &[Protocol::LL],
+            );
+            assert_eq!(forced, tree_ll);
+        }
+        // Forcing a protocol is honoured whatever it costs.
+        let forced = m.best(
+            Collective::AllReduce,
+            1 << 26,
+            shape(4, 1),
+            &[Algorithm::Ring],
+            &[Protocol::LL],
+        );
+        assert_eq!(forced.protocol, Protocol::LL);
+    }
+
+    #[test]
+    fn every_collective_gets_a_protocol_and_only_some_an_algorithm() {
+        let m = CostModel::default();
+        let four = shape(4, 1);
+        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
+        for c in [
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::Reduce { root: 1 },
+            Collective::AllToAll,
+            Collective::Send { peer: 1 },
+        ] {
+            let small = m.best(c, 8, four, &all, &Protocol::ALL);
+            assert_eq!(
+                (small.algorithm, small.protocol),
+                (Algorithm::Ring, Protocol::LL)
+            );
+            let large = m.best(c, 1 << 26, four, &all, &Protocol::ALL);
+            assert_eq!(large, Choice::RING_SIMPLE, "{c:?}");
+        }
     }
 
     #[test]
     fn one_shot_is_for_two_ranks() {
         let m = CostModel::default();
         let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
-        let two = Shape {
-            ranks: 2,
-            hosts: 1,
-            ranks_per_host: 2,
-        };
-        assert_eq!(m.best_all_reduce(8, two, &all), Algorithm::OneShot);
-        let four = Shape {
-            ranks: 4,
-            hosts: 1,
-            ranks_per_host: 4,
-        };
-        assert_eq!(m.best_all_reduce(8, four, &all), Algorithm::Ring);
-        assert_eq!(
-            m.best_all_reduce(8, four, &[Algorithm::OneShot]),
-            Algorithm::Ring
+        let simple = [Protocol::Simple];
+        let ar = Collective::AllReduce;
+        let pick = |bytes, s, algos: &[Algorithm]| m.best(ar, bytes, s, algos, &simple).algorithm;
+        assert_eq!(pick(8, shape(2, 1), &all), Algorithm::OneShot);
+        assert_eq!(pick(8, shape(4, 1), &all), Algorithm::Ring);
+        assert_eq!(pick(8, shape(4, 1), &[Algorithm::OneShot]), Algorithm::Ring);
+        let bcast = m.best(
+            Collective::Broadcast { root: 0 },
+            8,
+            shape(2, 1),
+            &all,
+            &simple,
         );
-        assert_eq!(m.best_broadcast(8, two, &all), Algorithm::Ring);
+        assert_eq!(bcast.algorithm, Algorithm::Ring);
     }
 
     #[test]
-    fn link_costs_parse() {
+    fn link_costs_and_models_parse() {
         let c = LinkCost::parse("V", "40, 1.25").unwrap();
         assert!((c.alpha - 40e-6).abs() < 1e-12 && (c.beta - 1.25e9).abs() < 1.0);
         assert_eq!(LinkCost::parse("V", &c.to_text()).unwrap(), c);
@@ -284,5 +479,20 @@ mod tests {
                 .contains("V")
         );
         assert!(LinkCost::parse("V", "1,0").is_err());
+        let m = CostModel::default();
+        let back = CostModel::parse("rank 0", &m.to_text()).unwrap();
+        let close = |a: LinkCost, b: LinkCost| {
+            (a.alpha - b.alpha).abs() <= a.alpha * 1e-12
+                && (a.beta - b.beta).abs() <= a.beta * 1e-12
+        };
+        assert!(close(back.local, m.local) && close(back.local_ll, m.local_ll));
+        assert!(close(back.net, m.net), "{back:?}");
+        let err = CostModel::parse("rank 0", "1,2;3,4")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 0") && err.contains("local;local_ll;net"),
+            "{err}"
+        );
     }
 }

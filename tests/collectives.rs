@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::{collectives, ops, run_and_check};
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
+use ferroccl::transport::Protocol;
 use ferroccl::{Communicator, DataType, ReduceOp};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
@@ -28,10 +29,10 @@ fn config(channels: usize) -> CommConfig {
 /// Runs `calls` on every rank (one thread each) and returns every mismatch found.
 fn run_grid(
     n: usize,
-    channels: usize,
+    config: CommConfig,
     calls: &[(Collective, DataType, ReduceOp, usize, bool)],
 ) -> Vec<String> {
-    let comms = Communicator::init_all_with(n, config(channels)).unwrap();
+    let comms = Communicator::init_all_with(n, config).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
@@ -87,8 +88,12 @@ fn grid(n: usize) -> Vec<(Collective, DataType, ReduceOp, usize, bool)> {
 }
 
 fn check_ranks(n: usize, channels: usize) {
+    check_ranks_with(n, config(channels));
+}
+
+fn check_ranks_with(n: usize, config: CommConfig) {
     let calls = grid(n);
-    let wrong = run_grid(n, channels, &calls);
+    let wrong = run_grid(n, config, &calls);
     assert!(
         wrong.is_empty(),
         "{} of {} checks failed on {n} ranks, e.g.:\n{}",
@@ -101,6 +106,22 @@ fn check_ranks(n: usize, channels: usize) {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+/// The cost model gives the smallest calls to LL and the rest to Simple; these run the
+/// whole grid with one protocol forced, LL through many slots and chunks.
+#[test]
+fn three_ranks_two_channels_with_ll_forced() {
+    let mut config = config(2);
+    config.protocols = vec![Protocol::LL];
+    check_ranks_with(3, config);
+}
+
+#[test]
+fn four_ranks_with_simple_forced() {
+    let mut config = config(1);
+    config.protocols = vec![Protocol::Simple];
+    check_ranks_with(4, config);
 }
 
 #[test]
@@ -235,7 +256,7 @@ fn sixteen_mebi_elements_and_more() {
             true,
         ),
     ];
-    let wrong = run_grid(3, 2, &calls);
+    let wrong = run_grid(3, config(2), &calls);
     assert!(wrong.is_empty(), "{wrong:?}");
 }
 

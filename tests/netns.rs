@@ -283,7 +283,7 @@ fn all_collectives(nhosts: usize, ranks_per_host: usize) {
                     assert!(stdout.contains(&format!("nRanks {world}")), "{stdout}");
                     if env == tree {
                         assert!(
-                            stdout.contains("tree/2ch") && !stdout.contains("ring/"),
+                            stdout.contains("tree/") && !stdout.contains("ring/"),
                             "{stdout}"
                         );
                     }

@@ -31,8 +31,11 @@ fn main() -> ExitCode {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, TestFn); 8] = [
+    let tests: [(&str, TestFn); 10] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
+        ("grid_on_four_processes_with_ll_forced", || {
+            grid_on_processes(4, Net::ShmLL)
+        }),
         ("grid_on_seven_processes", || grid_on_processes(7, Net::Shm)),
         ("grid_on_three_processes_over_tcp", || {
             grid_on_processes(3, Net::Tcp)
@@ -42,6 +45,9 @@ fn main() -> ExitCode {
         }),
         ("grid_on_two_hosts_of_two_processes", || {
             grid_on_processes(4, Net::TwoHosts)
+        }),
+        ("grid_on_two_hosts_with_ll_forced", || {
+            grid_on_processes(4, Net::TwoHostsLL)
         }),
         ("grid_on_five_hosts_with_trees", || {
             grid_on_processes(5, Net::HostPerRankTree)
@@ -102,6 +108,8 @@ fn config() -> CommConfig {
 enum Net {
     /// One host: shared memory.
     Shm,
+    /// As `Shm`, every call with the LL protocol (`FERROCCL_PROTO=LL`).
+    ShmLL,
     /// One host, TCP forced between every pair.
     Tcp,
     /// As `Tcp`, each link striped over 2 helper threads × 2 sockets.
@@ -109,6 +117,9 @@ enum Net {
     /// Two hosts (by `FERROCCL_HOSTID`), half the ranks on each: shared memory inside,
     /// TCP across.
     TwoHosts,
+    /// As `TwoHosts`, every call with LL: LL FIFOs inside a host, LL-sized slices
+    /// through the Simple FIFOs over TCP.
+    TwoHostsLL,
     /// One host per rank, all-reduce on the double binary tree (`FERROCCL_ALGO=tree`).
     HostPerRankTree,
 }
@@ -124,6 +135,8 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 "FERROCCL_HOSTID",
                 "FERROCCL_ALGO",
                 "NCCL_ALGO",
+                "FERROCCL_PROTO",
+                "NCCL_PROTO",
                 "FERROCCL_NCHANNELS",
                 "NCCL_NCHANNELS",
                 "FERROCCL_SOCKET_NTHREADS",
@@ -134,6 +147,15 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
             cmd.env("FERROCCL_SOCKET_IFNAME", "=lo");
             match net {
                 Net::Shm => {}
+                Net::ShmLL => {
+                    cmd.env("FERROCCL_PROTO", "LL")
+                        .env("FERROCCL_DEBUG", "INFO");
+                }
+                Net::TwoHostsLL => {
+                    cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n))
+                        .env("FERROCCL_PROTO", "LL")
+                        .env("FERROCCL_DEBUG", "INFO");
+                }
                 Net::Tcp => {
                     cmd.env("FERROCCL_TRANSPORT", "tcp");
                 }
@@ -202,6 +224,21 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
         let striped = format!("{} links of 2 threads x 2 sockets", 2 * (n - 1));
         if net == Net::TcpStriped && !(err.contains("via TCP") && err.contains(&striped)) {
             return Err(format!("rank {rank} did not log {striped:?}:\n{err}"));
+        }
+        // LL forced: the LL FIFOs exist, and every call (all-reduce of 65 537 elements
+        // too) ran with LL.
+        if matches!(net, Net::ShmLL | Net::TwoHostsLL) {
+            let wanted = [
+                "LL FIFOs of 8 x 4096 B",
+                "all_reduce of 262148 B uses ",
+                "all_gather of 4 B uses ring/LL",
+            ];
+            if let Some(w) = wanted.iter().find(|w| !err.contains(*w)) {
+                return Err(format!("rank {rank} did not log {w:?}:\n{err}"));
+            }
+            if err.contains("/Simple") {
+                return Err(format!("rank {rank} used Simple with LL forced:\n{err}"));
+            }
         }
     }
     Ok(())

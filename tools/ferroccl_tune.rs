@@ -2,23 +2,26 @@
 //!
 //! ```text
 //! ferrorun --nproc-per-node 2 -- ferroccl-tune measure   # (or under srun/mpirun, or across hosts)
-//! ferroccl-tune predict --ranks 4 --hosts 4 [--net 30,1.25] [--local 1,10]
+//! ferroccl-tune predict --ranks 4 --hosts 4 [--net 30,1.25] [--local 1,10] [--local-ll 0.8,3]
 //! ```
 //!
-//! `measure` times a ping-pong between rank 0 and each other rank (8 bytes for the
-//! latency α, 16 MiB for the bandwidth β), sorts the peers into same-host and
-//! other-host, and prints the `FERROCCL_TUNE_LOCAL` / `FERROCCL_TUNE_NET` settings to
-//! use. `predict` prints the model's ring and tree times for an all-reduce from 8 B to
-//! 1 GiB and the size where the tree stops being faster.
+//! `measure` times a ping-pong between rank 0 and each other rank, once per protocol
+//! (8 bytes for the latency α; 16 MiB with Simple, 1 MiB with LL for the bandwidth β),
+//! sorts the peers into same-host and other-host, and prints the `FERROCCL_TUNE_LOCAL`,
+//! `FERROCCL_TUNE_LOCAL_LL` and `FERROCCL_TUNE_NET` settings to use. `predict` prints
+//! the model's ring and tree times with each protocol for an all-reduce from 8 B to
+//! 1 GiB, its pick, and the sizes where the tree and LL stop being faster.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use ferroccl::Communicator;
+use ferroccl::comm::CommConfig;
 use ferroccl::plan::Algorithm;
-use ferroccl::tune::{CostModel, LinkCost, Shape};
+use ferroccl::transport::Protocol;
+use ferroccl::tune::{Choice, CostModel, LinkCost, Shape};
 
-const USAGE: &str = "usage: ferroccl-tune measure            (as every rank of a job)\n       ferroccl-tune predict --ranks N --hosts H [--net ALPHA_US,GBPS] [--local ALPHA_US,GBPS]\n";
+const USAGE: &str = "usage: ferroccl-tune measure            (as every rank of a job)\n       ferroccl-tune predict --ranks N --hosts H [--net ALPHA_US,GBPS] [--local ALPHA_US,GBPS] [--local-ll ALPHA_US,GBPS]\n";
 
 fn main() -> ExitCode {
     ferroccl::trace::init_from_env();
@@ -41,15 +44,15 @@ fn predict(args: &[String]) -> Result<(), String> {
     let mut model = CostModel::from_env().map_err(|e| e.to_string())?;
     let (mut ranks, mut hosts) = (None, None);
     let mut it = args.iter();
+    let link = |flag: &str, value: &str| LinkCost::parse(flag, value).map_err(|e| e.to_string());
     while let Some(flag) = it.next() {
         let value = it.next().ok_or(format!("{flag} needs a value\n{USAGE}"))?;
         match flag.as_str() {
             "--ranks" => ranks = Some(value.parse::<usize>().map_err(|_| "--ranks: a number")?),
             "--hosts" => hosts = Some(value.parse::<usize>().map_err(|_| "--hosts: a number")?),
-            "--net" => model.net = LinkCost::parse("--net", value).map_err(|e| e.to_string())?,
-            "--local" => {
-                model.local = LinkCost::parse("--local", value).map_err(|e| e.to_string())?
-            }
+            "--net" => model.net = link(flag, value)?,
+            "--local" => model.local = link(flag, value)?,
+            "--local-ll" => model.local_ll = link(flag, value)?,
             other => return Err(format!("unknown option {other}\n{USAGE}")),
         }
     }
@@ -60,101 +63,134 @@ fn predict(args: &[String]) -> Result<(), String> {
         hosts,
         ranks_per_host: ranks.div_ceil(hosts),
     };
+    let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
     println!(
-        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} us {} GB/s, net {} us {} GB/s",
-        model.local.alpha * 1e6,
-        model.local.beta / 1e9,
-        model.net.alpha * 1e6,
-        model.net.beta / 1e9
+        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}), net {}",
+        show(model.local),
+        show(model.local_ll),
+        show(model.net)
     );
-    println!(
-        "# {:>12} {:>14} {:>14}  pick",
-        "bytes", "ring (us)", "tree (us)"
-    );
+    let candidates = [Algorithm::Ring, Algorithm::Tree].map(|algorithm| {
+        Protocol::ALL.map(|protocol| Choice {
+            algorithm,
+            protocol,
+        })
+    });
+    let candidates: Vec<Choice> = candidates.into_iter().flatten().collect();
+    print!("# {:>12}", "bytes");
+    for c in &candidates {
+        print!(" {:>16}", format!("{} (us)", c.name()));
+    }
+    println!("  pick");
     let mut bytes = 8usize;
     while bytes <= 1 << 30 {
-        let ring = model.all_reduce(Algorithm::Ring, bytes, shape) * 1e6;
-        let tree = model.all_reduce(Algorithm::Tree, bytes, shape) * 1e6;
-        println!(
-            "  {bytes:>12} {ring:>14.1} {tree:>14.1}  {}",
-            model.choose(bytes, shape).name()
-        );
+        print!("  {bytes:>12}");
+        for &c in &candidates {
+            print!(" {:>16.1}", model.all_reduce(c, bytes, shape) * 1e6);
+        }
+        println!("  {}", model.choose(bytes, shape).name());
         bytes *= 4;
     }
-    match model.crossover(shape) {
+    match model.crossover(shape, |c| c.algorithm == Algorithm::Tree) {
         Some(x) => println!("# crossover: tree below {x} bytes, ring from there"),
         None => println!("# crossover: none (ring at every size)"),
+    }
+    match model.crossover(shape, |c| c.protocol == Protocol::LL) {
+        Some(x) => println!("# protocol: LL below {x} bytes, Simple from there"),
+        None => println!("# protocol: Simple at every size"),
     }
     Ok(())
 }
 
+/// Half a ping-pong's round trip between rank 0 and `peer` for `buf`, averaged over
+/// `reps` (after a warm-up).
+fn ping_pong(comm: &Communicator, peer: usize, buf: &mut [u8], reps: usize) -> Result<f64, String> {
+    let rank = comm.rank();
+    let mut once = |reps: usize| -> Result<f64, String> {
+        let start = Instant::now();
+        for _ in 0..reps {
+            if rank == 0 {
+                comm.send(buf, peer).map_err(|e| e.to_string())?;
+                comm.recv(buf, peer).map_err(|e| e.to_string())?;
+            } else if rank == peer {
+                comm.recv(buf, 0).map_err(|e| e.to_string())?;
+                comm.send(buf, 0).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(start.elapsed().as_secs_f64() / reps as f64 / 2.0)
+    };
+    once(reps.div_ceil(10))?;
+    once(reps)
+}
+
 fn measure() -> Result<(), String> {
-    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
-    let (rank, n) = (comm.rank(), comm.size());
+    let world = Communicator::from_env().map_err(|e| e.to_string())?;
+    let n = world.size();
     if n < 2 {
         return Err("measure needs at least two ranks".into());
     }
-    let host = |r: usize| comm.peers()[r].host_id.clone();
-    let mut local: Vec<LinkCost> = Vec::new();
-    let mut net: Vec<LinkCost> = Vec::new();
-    for peer in 1..n {
-        let mut small = [0u8; 8];
-        let mut big = vec![0u8; 16 << 20];
-        let time = |buf: &mut [u8], reps: usize| -> Result<f64, String> {
-            let start = Instant::now();
-            for _ in 0..reps {
-                if rank == 0 {
-                    comm.send(buf, peer).map_err(|e| e.to_string())?;
-                    comm.recv(buf, peer).map_err(|e| e.to_string())?;
-                } else if rank == peer {
-                    comm.recv(buf, 0).map_err(|e| e.to_string())?;
-                    comm.send(buf, 0).map_err(|e| e.to_string())?;
-                }
-            }
-            Ok(start.elapsed().as_secs_f64() / reps as f64 / 2.0)
+    let host = |r: usize| world.peers()[r].host_id.clone();
+    // (protocol, local or net) -> measured costs.
+    let mut found: Vec<(Protocol, bool, LinkCost)> = Vec::new();
+    for protocol in Protocol::ALL {
+        // A communicator that uses only this protocol, so that every size is timed
+        // with it.
+        let config = CommConfig {
+            protocols: vec![protocol],
+            ..world.config().clone()
         };
-        time(&mut small, 100)?;
-        let latency = time(&mut small, 2000)?;
-        time(&mut big, 2)?;
-        let one_way = time(&mut big, 10)?;
-        comm.barrier().map_err(|e| e.to_string())?;
-        if rank == 0 {
-            let cost = LinkCost {
-                alpha: latency,
-                beta: big.len() as f64 / (one_way - latency).max(1e-9),
-            };
-            let kind = if host(peer) == host(0) {
-                "local"
-            } else {
-                "net"
-            };
-            println!(
-                "rank 0 <-> rank {peer} ({kind}): latency {:.2} us, bandwidth {:.2} GB/s",
-                cost.alpha * 1e6,
-                cost.beta / 1e9
-            );
-            if kind == "local" {
-                local.push(cost)
-            } else {
-                net.push(cost)
+        let comm = world
+            .split_with(Some(0), 0, config)
+            .map_err(|e| e.to_string())?
+            .ok_or("split gave no communicator")?;
+        let big_bytes = match protocol {
+            Protocol::Simple => 16 << 20,
+            // LL is for small messages: time what it is used for.
+            Protocol::LL => 1 << 20,
+        };
+        for peer in 1..n {
+            let latency = ping_pong(&comm, peer, &mut [0u8; 8], 2000)?;
+            let one_way = ping_pong(&comm, peer, &mut vec![0u8; big_bytes], 20)?;
+            comm.barrier().map_err(|e| e.to_string())?;
+            if comm.rank() == 0 {
+                let cost = LinkCost {
+                    alpha: latency,
+                    beta: big_bytes as f64 / (one_way - latency).max(1e-9),
+                };
+                let local = host(peer) == host(0);
+                println!(
+                    "rank 0 <-> rank {peer} ({}, {}): latency {:.2} us, bandwidth {:.2} GB/s",
+                    if local { "local" } else { "net" },
+                    protocol.name(),
+                    cost.alpha * 1e6,
+                    cost.beta / 1e9
+                );
+                found.push((protocol, local, cost));
             }
         }
     }
-    if rank == 0 {
-        let mean = |v: &[LinkCost]| {
-            let k = v.len() as f64;
-            LinkCost {
-                alpha: v.iter().map(|c| c.alpha).sum::<f64>() / k,
-                beta: v.iter().map(|c| c.beta).sum::<f64>() / k,
-            }
-        };
-        // One hand-off in a collective also pays for the peer's turn to run; a
-        // ping-pong's half round trip is the floor of it.
-        if !local.is_empty() {
-            println!("FERROCCL_TUNE_LOCAL={}", mean(&local).to_text());
-        }
-        if !net.is_empty() {
-            println!("FERROCCL_TUNE_NET={}", mean(&net).to_text());
+    let mean = |protocol: Protocol, local: bool| -> Option<LinkCost> {
+        let v: Vec<LinkCost> = found
+            .iter()
+            .filter(|(p, l, _)| *p == protocol && *l == local)
+            .map(|(.., c)| *c)
+            .collect();
+        let k = v.len() as f64;
+        (!v.is_empty()).then(|| LinkCost {
+            alpha: v.iter().map(|c| c.alpha).sum::<f64>() / k,
+            beta: v.iter().map(|c| c.beta).sum::<f64>() / k,
+        })
+    };
+    // One hand-off in a collective also pays for the peer's turn to run; a ping-pong's
+    // half round trip is the floor of it. Over TCP both protocols use the same FIFOs, so
+    // the network is measured with Simple.
+    for (var, protocol, local) in [
+        ("FERROCCL_TUNE_LOCAL", Protocol::Simple, true),
+        ("FERROCCL_TUNE_LOCAL_LL", Protocol::LL, true),
+        ("FERROCCL_TUNE_NET", Protocol::Simple, false),
+    ] {
+        if let Some(c) = mean(protocol, local) {
+            println!("{var}={}", c.to_text());
         }
     }
     Ok(())

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::bootstrap::BootstrapOptions;
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
-use crate::transport::fifo::Geometry;
+use crate::transport::fifo::{Geometry, Protocol};
 use crate::transport::{Striping, TransportChoice};
 
 /// Settings of a [`Communicator`](super::Communicator).
@@ -22,6 +22,8 @@ use crate::transport::{Striping, TransportChoice};
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
+/// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
+/// | `FERROCCL_LL_SLOT_SIZE` | `ll_slot_bytes` (data bytes per LL slot) | 4 KiB |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_SOCKET_NTHREADS` (`NCCL_SOCKET_NTHREADS`) | `striping.threads` per TCP link | 1 |
 /// | `FERROCCL_NSOCKS_PERTHREAD` (`NCCL_NSOCKS_PERTHREAD`) | `striping.sockets_per_thread` | 1 |
@@ -45,6 +47,13 @@ pub struct CommConfig {
     /// The algorithms the cost model may choose from for all-reduce and broadcast (one
     /// to force it).
     pub algorithms: Vec<Algorithm>,
+    /// The protocols the cost model may choose from (one to force it). LL FIFOs exist
+    /// only when LL is allowed.
+    pub protocols: Vec<Protocol>,
+    /// Slots per LL FIFO.
+    pub ll_slots: usize,
+    /// Data bytes per LL slot (a multiple of 64; the slot in memory is twice that).
+    pub ll_slot_bytes: usize,
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
@@ -66,6 +75,9 @@ impl Default for CommConfig {
             chunk_bytes: slots / 2 * slot_bytes,
             transport: TransportChoice::Auto,
             algorithms: ALL_ALGORITHMS.to_vec(),
+            protocols: Protocol::ALL.to_vec(),
+            ll_slots: 8,
+            ll_slot_bytes: 4096,
             link_timeout: Duration::from_secs(30),
             striping: Striping::default(),
             bootstrap: BootstrapOptions::default(),
@@ -130,9 +142,18 @@ impl CommConfig {
         if !chunk_set {
             c.chunk_bytes = c.slots / 2 * c.slot_bytes;
         }
+        if let Some(v) = env_number(&["FERROCCL_LL_SLOT_SIZE"])? {
+            c.ll_slot_bytes = v as usize;
+        }
         for var in ["FERROCCL_ALGO", "NCCL_ALGO"] {
             if let Ok(list) = std::env::var(var) {
                 c.algorithms = parse_algorithms(var, &list)?;
+                break;
+            }
+        }
+        for var in ["FERROCCL_PROTO", "NCCL_PROTO"] {
+            if let Ok(list) = std::env::var(var) {
+                c.protocols = parse_protocols(var, &list)?;
                 break;
             }
         }
@@ -153,17 +174,48 @@ impl CommConfig {
         Ok(c)
     }
 
-    /// The FIFO shape.
+    /// The shape of the Simple FIFOs.
     pub fn geometry(&self) -> Geometry {
         Geometry {
             slots: self.slots,
             slot_bytes: self.slot_bytes,
+            protocol: Protocol::Simple,
+        }
+    }
+
+    /// The shape of the LL FIFOs, if LL is allowed.
+    pub fn ll_geometry(&self) -> Option<Geometry> {
+        self.protocols
+            .contains(&Protocol::LL)
+            .then(|| Geometry::ll(self.ll_slots, self.ll_slot_bytes))
+    }
+
+    /// Bytes one step of a ring moves with `protocol`: `chunk_bytes`, and for LL at
+    /// most half an LL FIFO (the same rule as `chunk_bytes` itself).
+    pub fn chunk_bytes_for(&self, protocol: Protocol) -> usize {
+        match protocol {
+            Protocol::Simple => self.chunk_bytes,
+            Protocol::LL => self.chunk_bytes.min(self.ll_slots / 2 * self.ll_slot_bytes),
         }
     }
 
     /// Checks that the settings make sense together.
     pub fn validate(&self) -> Result<()> {
         self.geometry().validate()?;
+        if let Some(ll) = self.ll_geometry() {
+            ll.validate()?;
+            if self.ll_slot_bytes < 64 || !self.ll_slot_bytes.is_multiple_of(64) {
+                return Err(Error::invalid(format!(
+                    "LL slot size {} is not a multiple of 64 bytes",
+                    self.ll_slot_bytes
+                )));
+            }
+        }
+        if self.protocols.is_empty() || self.algorithms.is_empty() {
+            return Err(Error::invalid(
+                "no protocol or no algorithm allowed: allow at least one of each",
+            ));
+        }
         self.striping.validate()?;
         if self.channels == 0 || self.channels > 64 {
             return Err(Error::invalid(format!(
@@ -189,44 +241,84 @@ impl CommConfig {
 /// Every algorithm ferroccl has.
 pub const ALL_ALGORITHMS: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
 
+/// What a word of an NCCL list names.
+enum Word<T> {
+    /// One of ferroccl's choices.
+    Ours(T),
+    /// One of NCCL's that ferroccl does not have: accepted and ignored.
+    NcclOnly,
+    /// Nothing known.
+    Unknown,
+}
+
+/// Reads a list in NCCL's syntax (`a`, `a,b`, `^a` to exclude; case does not matter)
+/// into the members of `all` it allows, in `all`'s order. `kind` and `have` name the
+/// choices in errors.
+fn parse_list<T: Copy + PartialEq>(
+    var: &str,
+    list: &str,
+    all: &[T],
+    (kind, have): (&str, &str),
+    word: impl Fn(&str) -> Word<T>,
+) -> Result<Vec<T>> {
+    let (exclude, body) = match list.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, list.trim()),
+    };
+    let mut named = Vec::new();
+    for w in body.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        match word(&w.to_ascii_lowercase()) {
+            Word::Ours(t) => named.push(t),
+            Word::NcclOnly => {}
+            Word::Unknown => {
+                return Err(Error::Env {
+                    var: var.into(),
+                    detail: format!("unknown {kind} {w:?} (ferroccl has {have})"),
+                });
+            }
+        }
+    }
+    let allowed: Vec<T> = all
+        .iter()
+        .copied()
+        .filter(|a| named.contains(a) != exclude)
+        .collect();
+    if allowed.is_empty() {
+        return Err(Error::Env {
+            var: var.into(),
+            detail: format!("{list:?} leaves no {kind} (ferroccl has {have})"),
+        });
+    }
+    Ok(allowed)
+}
+
 /// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`;
 /// ferroccl also has `oneshot`): the algorithms the cost model may choose from. NCCL's
 /// algorithms that ferroccl does not have (`collnet*`, `nvls*`, `pat`) are accepted and
 /// ignored, so an `NCCL_ALGO` meant for NCCL still works; anything else is an error
 /// naming it.
 pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
-    let (exclude, body) = match list.trim().strip_prefix('^') {
-        Some(rest) => (true, rest),
-        None => (false, list.trim()),
-    };
-    let mut named = Vec::new();
-    for word in body.split(',').map(str::trim).filter(|w| !w.is_empty()) {
-        match word.to_ascii_lowercase().as_str() {
-            "ring" => named.push(Algorithm::Ring),
-            "tree" => named.push(Algorithm::Tree),
-            "oneshot" | "one-shot" | "one_shot" => named.push(Algorithm::OneShot),
-            w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => {}
-            _ => {
-                return Err(Error::Env {
-                    var: var.into(),
-                    detail: format!(
-                        "unknown algorithm {word:?} (ferroccl has ring, tree and oneshot)"
-                    ),
-                });
-            }
-        }
-    }
-    let allowed: Vec<Algorithm> = ALL_ALGORITHMS
-        .into_iter()
-        .filter(|a| named.contains(a) != exclude)
-        .collect();
-    if allowed.is_empty() {
-        return Err(Error::Env {
-            var: var.into(),
-            detail: format!("{list:?} leaves no algorithm (ferroccl has ring, tree and oneshot)"),
-        });
-    }
-    Ok(allowed)
+    let names = ("algorithm", "ring, tree and oneshot");
+    parse_list(var, list, &ALL_ALGORITHMS, names, |w| match w {
+        "ring" => Word::Ours(Algorithm::Ring),
+        "tree" => Word::Ours(Algorithm::Tree),
+        "oneshot" | "one-shot" | "one_shot" => Word::Ours(Algorithm::OneShot),
+        w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => Word::NcclOnly,
+        _ => Word::Unknown,
+    })
+}
+
+/// Reads a protocol list in NCCL's syntax (`LL`, `Simple`, `LL,Simple`, `^LL`): the
+/// protocols the cost model may choose from. NCCL's `LL128` (which ferroccl does not
+/// have) is accepted and ignored; anything else is an error naming it.
+pub fn parse_protocols(var: &str, list: &str) -> Result<Vec<Protocol>> {
+    let names = ("protocol", "LL and Simple");
+    parse_list(var, list, &Protocol::ALL, names, |w| match w {
+        "ll" => Word::Ours(Protocol::LL),
+        "simple" => Word::Ours(Protocol::Simple),
+        "ll128" => Word::NcclOnly,
+        _ => Word::Unknown,
+    })
 }
 
 #[cfg(test)]
@@ -247,5 +339,51 @@ mod tests {
         assert!(err.contains("leaves no algorithm"), "{err}");
         let err = parse_algorithms("X", "butterfly").unwrap_err().to_string();
         assert!(err.contains("butterfly"), "{err}");
+    }
+
+    #[test]
+    fn protocol_lists_follow_nccl_syntax() {
+        use Protocol::*;
+        assert_eq!(parse_protocols("X", "LL").unwrap(), [LL]);
+        assert_eq!(parse_protocols("X", "simple").unwrap(), [Simple]);
+        assert_eq!(parse_protocols("X", "LL128,LL").unwrap(), [LL]);
+        assert_eq!(parse_protocols("X", "^LL128").unwrap(), Protocol::ALL);
+        assert_eq!(parse_protocols("X", "^ll").unwrap(), [Simple]);
+        let err = parse_protocols("NCCL_PROTO", "^LL,Simple")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("NCCL_PROTO") && err.contains("leaves no protocol"),
+            "{err}"
+        );
+        let err = parse_protocols("X", "LL256").unwrap_err().to_string();
+        assert!(err.contains("unknown protocol \"LL256\""), "{err}");
+    }
+
+    #[test]
+    fn ll_is_checked_and_bounds_its_chunks() {
+        let c = CommConfig::default();
+        let ll = c.ll_geometry().expect("LL allowed by default");
+        assert_eq!(ll.payload(), c.ll_slot_bytes);
+        assert_eq!(
+            c.chunk_bytes_for(Protocol::LL),
+            c.ll_slots / 2 * c.ll_slot_bytes
+        );
+        assert_eq!(c.chunk_bytes_for(Protocol::Simple), c.chunk_bytes);
+        let simple_only = CommConfig {
+            protocols: vec![Protocol::Simple],
+            ..c.clone()
+        };
+        assert_eq!(simple_only.ll_geometry(), None);
+        let odd = CommConfig {
+            ll_slot_bytes: 100,
+            ..c
+        };
+        assert!(
+            odd.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("LL slot size 100")
+        );
     }
 }

@@ -28,8 +28,8 @@ use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::{Bell, Closed};
-use crate::transport::{Connections, TransportConfig};
-use crate::tune::{CostModel, LinkCost, Shape};
+use crate::transport::{Connections, Protocol, TransportChoice, TransportConfig};
+use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
 /// One rank's handle on a group of ranks that run collectives together.
@@ -37,8 +37,9 @@ pub struct Communicator {
     rank: usize,
     nranks: usize,
     config: CommConfig,
-    /// Plan options for element sizes 1, 2, 4 and 8 bytes (the chunk is in elements).
-    plan_options: [PlanOptions; 4],
+    /// Plan options per protocol (Simple, LL: their chunks differ) and element size (1,
+    /// 2, 4 and 8 bytes: the chunk is in elements).
+    plan_options: [[PlanOptions; 4]; 2],
     /// Rank 0's cost model (every rank uses the same one, so choices agree).
     model: CostModel,
     /// Ranks, hosts, ranks per host.
@@ -61,9 +62,9 @@ struct State {
     conns: Connections,
     /// Sequence number of the next call.
     seq: u64,
-    /// The plan of the last single-operation call: loops that repeat one call (training
-    /// steps, benchmarks) plan once.
-    last_plan: Option<(PlanKey, Plan)>,
+    /// The plan of the last single-operation call and the choice it was made with:
+    /// loops that repeat one call (training steps, benchmarks) plan once.
+    last_plan: Option<(PlanKey, Plan, Choice)>,
 }
 
 /// What a single-operation plan depends on besides the communicator.
@@ -169,19 +170,8 @@ impl Communicator {
         // Everyone plans with rank 0's cost model, so that every rank picks the same
         // algorithm for the same call even if their environments differ.
         let mine = CostModel::from_env()?;
-        let models =
-            boot.all_gather(format!("{};{}", mine.local.to_text(), mine.net.to_text()).as_bytes())?;
-        let model = {
-            let text = String::from_utf8_lossy(&models[0]).into_owned();
-            let (local, net) = text.split_once(';').ok_or_else(|| Error::BootstrapData {
-                rank: 0,
-                detail: format!("cost model {text:?}"),
-            })?;
-            CostModel {
-                local: LinkCost::parse("rank 0's cost model", local)?,
-                net: LinkCost::parse("rank 0's cost model", net)?,
-            }
-        };
+        let models = boot.all_gather(mine.to_text().as_bytes())?;
+        let model = CostModel::parse("rank 0's cost model", &String::from_utf8_lossy(&models[0]))?;
         let hosts = crate::topo::host_labels(boot.peers());
         let rings = PlanOptions::for_hosts(&hosts, config.channels, 1).rings;
         crate::topo::dump_from_env(rank, boot.peers(), &rings)?;
@@ -189,6 +179,7 @@ impl Communicator {
             &boot,
             &TransportConfig {
                 geometry: config.geometry(),
+                ll: config.ll_geometry(),
                 rings: rings.clone(),
                 choice: config.transport,
                 connect_timeout: config.bootstrap.timeout,
@@ -197,19 +188,30 @@ impl Communicator {
             },
         )?;
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
-        let plan_options = [1usize, 2, 4, 8].map(|elem| PlanOptions {
-            chunk_elems: (config.chunk_bytes / elem).max(1),
-            rings: rings.clone(),
-            algorithm: Algorithm::Ring,
-            hosts: hosts.clone(),
+        let plan_options = [Protocol::Simple, Protocol::LL].map(|protocol| {
+            [1usize, 2, 4, 8].map(|elem| PlanOptions {
+                chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
+                rings: rings.clone(),
+                algorithm: Algorithm::Ring,
+                hosts: hosts.clone(),
+            })
         });
-        let shape = Shape {
-            ranks: nranks,
-            hosts: host_count,
-            ranks_per_host: (0..host_count)
-                .map(|h| hosts.iter().filter(|&&x| x == h).count())
-                .max()
-                .unwrap_or(1),
+        // For the model, TCP forced between every pair makes every rank a host.
+        let shape = if config.transport == TransportChoice::Tcp {
+            Shape {
+                ranks: nranks,
+                hosts: nranks,
+                ranks_per_host: 1,
+            }
+        } else {
+            Shape {
+                ranks: nranks,
+                hosts: host_count,
+                ranks_per_host: (0..host_count)
+                    .map(|h| hosts.iter().filter(|&&x| x == h).count())
+                    .max()
+                    .unwrap_or(1),
+            }
         };
         Ok(Communicator {
             rank,
@@ -323,16 +325,34 @@ impl Communicator {
     /// `NCCL_SPLIT_NOCOLOR`) takes part without joining any. Collective over this
     /// communicator.
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
-        self.turns.run_blocking(|| self.split_in_turn(color, key))
+        self.split_with(color, key, self.config.clone())
     }
 
-    fn split_in_turn(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+    /// [`Communicator::split`] with other settings for the new communicator
+    /// (`ncclCommSplit`'s config argument), such as a forced algorithm or protocol.
+    pub fn split_with(
+        &self,
+        color: Option<u32>,
+        key: i32,
+        config: CommConfig,
+    ) -> Result<Option<Communicator>> {
+        config.validate()?;
+        self.turns
+            .run_blocking(|| self.split_in_turn(color, key, config))
+    }
+
+    fn split_in_turn(
+        &self,
+        color: Option<u32>,
+        key: i32,
+        config: CommConfig,
+    ) -> Result<Option<Communicator>> {
         let generation = self.splits.fetch_add(1, Ordering::SeqCst);
         let mut mine = Vec::with_capacity(12);
         mine.extend_from_slice(&color.map_or(-1i64, i64::from).to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
         let all = self.boot.all_gather(&mine)?;
-        let sub = self.join_split(&all, color, generation);
+        let sub = self.join_split(&all, color, generation, config);
         // Every rank of the parent, whatever its color, waits here until all have made
         // their communicators: the store lives in one rank's process, and that rank must
         // not return (and perhaps exit) while other colors still rendezvous on it.
@@ -345,6 +365,7 @@ impl Communicator {
         all: &[Vec<u8>],
         color: Option<u32>,
         generation: u64,
+        config: CommConfig,
     ) -> Result<Option<Communicator>> {
         let Some(color) = color else {
             return Ok(None);
@@ -370,13 +391,10 @@ impl Communicator {
             format!("split/{generation}/{color}"),
             self.boot.store().clone(),
         );
-        let boot = self.boot.sub(
-            Arc::new(store),
-            new_rank,
-            members.len(),
-            &self.config.bootstrap,
-        )?;
-        Communicator::from_bootstrap(boot, self.config.clone()).map(Some)
+        let boot = self
+            .boot
+            .sub(Arc::new(store), new_rank, members.len(), &config.bootstrap)?;
+        Communicator::from_bootstrap(boot, config).map(Some)
     }
 
     // ----- typed collectives -------------------------------------------------------
@@ -752,27 +770,54 @@ impl Communicator {
                 reason: why.clone(),
             });
         }
-        let (plan, name) = match raws {
+        let (plan, name, choice) = match raws {
             [raw] => {
                 let key = (raw.collective, raw.count, raw.dtype.size());
-                if st.last_plan.as_ref().is_none_or(|(k, _)| *k != key) {
-                    let plan = self.plan_one(raw)?;
-                    st.last_plan = Some((key, plan));
+                if st.last_plan.as_ref().is_none_or(|(k, ..)| *k != key) {
+                    let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
+                    let plan = self.plan_with(raw, choice)?;
+                    st.last_plan = Some((key, plan, choice));
                 }
-                (None, raw.collective.name())
+                let choice = st.last_plan.as_ref().expect("planned above").2;
+                (None, raw.collective.name(), choice)
             }
             _ => {
+                // Each operation keeps its algorithm; the group moves every slice the
+                // same way, LL only if every operation would use it alone.
+                let choices: Vec<Choice> = raws
+                    .iter()
+                    .map(|r| self.choice_for(r.collective, r.count * r.dtype.size()))
+                    .collect();
+                let protocol = if choices.iter().all(|c| c.protocol == Protocol::LL) {
+                    Protocol::LL
+                } else {
+                    Protocol::Simple
+                };
                 let plans = raws
                     .iter()
-                    .map(|raw| self.plan_one(raw))
+                    .zip(&choices)
+                    .map(|(raw, c)| {
+                        self.plan_with(
+                            raw,
+                            Choice {
+                                algorithm: c.algorithm,
+                                protocol,
+                            },
+                        )
+                    })
                     .collect::<Result<Vec<_>>>()?;
-                (Some(Plan::fuse(plans)?), "group")
+                let choice = Choice {
+                    algorithm: choices.first().map_or(Algorithm::Ring, |c| c.algorithm),
+                    protocol,
+                };
+                (Some(Plan::fuse(plans)?), "group", choice)
             }
         };
         let call = CallInfo {
             op: name,
             seq: st.seq,
             deadline: Instant::now() + self.config.timeout,
+            protocol: choice.protocol,
         };
         let _span = tracing::trace_span!(
             target: crate::trace::TRACE_TARGET,
@@ -781,9 +826,8 @@ impl Communicator {
             op = name,
             seq = st.seq,
             bytes = raws.iter().map(|r| r.count * r.dtype.size()).sum::<usize>(),
-            algorithm = raws
-                .first()
-                .map_or("ring", |r| self.algorithm_for(r.collective, r.count * r.dtype.size()).name()),
+            algorithm = choice.algorithm.name(),
+            protocol = choice.protocol.name(),
         )
         .entered();
         st.seq += 1;
@@ -819,57 +863,60 @@ impl Communicator {
     /// algorithm, channels and chunking it would use now), for study and for checking
     /// traces against.
     pub fn plan_for(&self, collective: Collective, count: usize, dtype: DataType) -> Result<Plan> {
-        self.plan_one(&RawCall {
+        let raw = RawCall {
             collective,
             count,
             dtype,
             op: ReduceOp::Sum,
             input: std::ptr::null(),
             output: std::ptr::null_mut(),
-        })
+        };
+        self.plan_with(&raw, self.choice_for(collective, count * dtype.size()))
     }
 
-    fn plan_one(&self, raw: &RawCall) -> Result<Plan> {
-        let options = &self.plan_options[raw.dtype.size().trailing_zeros() as usize];
-        let bytes = raw.count * raw.dtype.size();
-        let algorithm = self.algorithm_for(raw.collective, bytes);
-        if matches!(
-            raw.collective,
-            Collective::AllReduce | Collective::Broadcast { .. }
-        ) {
-            tracing::info!(
-                "rank {}: {} of {bytes} B uses {} ({} channels)",
-                self.rank,
-                raw.collective.name(),
-                algorithm.name(),
-                self.config.channels
-            );
-        }
-        if algorithm == options.algorithm {
+    fn plan_with(&self, raw: &RawCall, choice: Choice) -> Result<Plan> {
+        let protocol_index = usize::from(choice.protocol == Protocol::LL);
+        let options =
+            &self.plan_options[protocol_index][raw.dtype.size().trailing_zeros() as usize];
+        tracing::info!(
+            "rank {}: {} of {} B uses {} ({} channels)",
+            self.rank,
+            raw.collective.name(),
+            raw.count * raw.dtype.size(),
+            choice.name(),
+            self.config.channels
+        );
+        if choice.algorithm == options.algorithm {
             return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
         }
-        let options = options.clone().with_algorithm(algorithm);
+        let options = options.clone().with_algorithm(choice.algorithm);
         plan::plan(raw.collective, raw.count, self.rank, self.nranks, &options)
     }
 
-    /// The algorithm a call of `collective` moving `bytes` per rank uses: the one
-    /// `FERROCCL_ALGO` forces, or the cost model's choice. (All-reduce and broadcast
-    /// have a choice; the others use their one algorithm, reported as ring.)
-    pub fn algorithm_for(&self, collective: Collective, bytes: usize) -> Algorithm {
-        let allowed = &self.config.algorithms;
-        let algorithm = match collective {
-            Collective::AllReduce => self.model.best_all_reduce(bytes, self.shape, allowed),
-            Collective::Broadcast { .. } => self.model.best_broadcast(bytes, self.shape, allowed),
-            _ => return Algorithm::Ring,
+    /// The algorithm and protocol a call of `collective` moving `bytes` per rank uses:
+    /// those `FERROCCL_ALGO` / `FERROCCL_PROTO` force, or the cost model's choice among
+    /// those allowed. (All-reduce and broadcast have a choice of algorithm; the others
+    /// have one, reported as ring. Every collective has a choice of protocol.)
+    pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
+        let algorithms: &[Algorithm] = match collective {
+            Collective::AllReduce | Collective::Broadcast { .. } => &self.config.algorithms,
+            _ => &[Algorithm::Ring],
         };
+        let choice = self.model.best(
+            collective,
+            bytes,
+            self.shape,
+            algorithms,
+            &self.config.protocols,
+        );
         tracing::debug!(
             "rank {}: {} of {bytes} B on {:?}: {}",
             self.rank,
             collective.name(),
             self.shape,
-            algorithm.name()
+            choice.name()
         );
-        algorithm
+        choice
     }
 
     /// The cost model in use and the job's shape (rank 0's model).

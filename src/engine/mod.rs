@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::transport::bell::Closed;
-use crate::transport::{Connections, PeerState};
+use crate::transport::{Connections, PeerState, Protocol};
 
 /// Sweeps without progress spent spinning, then yielding, before sleeping, when every
 /// rank of this host can have a core of its own: a reply from another core arrives
@@ -71,6 +71,8 @@ pub struct CallInfo {
     pub seq: u64,
     /// When it must be done by.
     pub deadline: Instant,
+    /// How its slices cross the FIFOs (every rank of the call uses the same).
+    pub protocol: Protocol,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -147,7 +149,7 @@ pub unsafe fn execute(
     let mut last_process_check = start;
     loop {
         // SAFETY: forwarded from this function's contract.
-        let progressed = unsafe { sweep(plan, &mut lanes, ops, conns, &trace)? };
+        let progressed = unsafe { sweep(plan, call.protocol, &mut lanes, ops, conns, &trace)? };
         if plan
             .lanes
             .iter()
@@ -187,7 +189,8 @@ pub unsafe fn execute(
         }
         let failure = peer_failure(conns, &waiting_on, check_process);
         // SAFETY: as above.
-        let progressed = match unsafe { sweep(plan, &mut lanes, ops, conns, &trace) } {
+        let progressed = match unsafe { sweep(plan, call.protocol, &mut lanes, ops, conns, &trace) }
+        {
             Ok(p) => p,
             Err(e) => {
                 conns.bell().cancel_sleep();
@@ -302,6 +305,7 @@ unsafe fn addr(ops: &[OpBuffers], region: &Region, skip: usize) -> *mut u8 {
 /// As [`execute`].
 unsafe fn sweep(
     plan: &Plan,
+    protocol: Protocol,
     lanes: &mut [LaneState],
     ops: &[OpBuffers],
     conns: &mut Connections,
@@ -314,6 +318,7 @@ unsafe fn sweep(
             advance(
                 &lane.steps,
                 lane.channel,
+                protocol,
                 &mut lanes[li],
                 ops,
                 conns,
@@ -331,6 +336,7 @@ unsafe fn sweep(
 unsafe fn advance(
     steps: &[Step],
     channel: usize,
+    protocol: Protocol,
     st: &mut LaneState,
     ops: &[OpBuffers],
     conns: &mut Connections,
@@ -365,9 +371,8 @@ unsafe fn advance(
         };
         let op = ops[op_index];
         let elem = op.kernel.dtype().size();
-        let geometry = conns.geometry();
-        let per_slice = geometry.slot_bytes / elem;
-        let (send, recv) = conns.ends(channel, to, from);
+        let per_slice = conns.slice_bytes(protocol) / elem;
+        let (send, recv) = conns.ends(channel, protocol, to, from);
         let (mut send, mut recv) = match (
             to.is_some() == send.is_some(),
             from.is_some() == recv.is_some(),

@@ -160,8 +160,8 @@ impl Test {
             Test::AllToAll | Test::Gather | Test::Scatter => "direct".into(),
             Test::SendRecv => "p2p".into(),
             _ => {
-                let algo = comm.algorithm_for(self.collective(0), count * elem);
-                format!("{}/{channels}ch", algo.name())
+                let choice = comm.choice_for(self.collective(0), count * elem);
+                format!("{}/{channels}ch", choice.name())
             }
         }
     }

@@ -13,6 +13,22 @@
 //!
 //! Layout (offsets in bytes): magic at 0, geometry at 8, `head` at 64, `tail` at 128,
 //! per-slot byte counts from 192, slot data from [`DATA_OFFSET`].
+//!
+//! # Protocols
+//!
+//! How a slot is published is the FIFO's [`Protocol`], as in NCCL:
+//!
+//! - **Simple**: the sender writes the data, its byte count, then `head` (release); the
+//!   receiver polls `head`. Full bandwidth, but a small message costs three cache lines
+//!   on the critical path (head, count, data), and on weakly ordered memory a fence.
+//! - **LL** (low latency, flag in line): a slot is a row of 8-byte *lines*, each
+//!   carrying 4 bytes of data and a 4-byte flag, written with one atomic store. Line 0
+//!   holds the byte count. The flag is the slot's use number (`head + 1`), so a line
+//!   from an earlier use never looks new. The receiver polls the slot's own lines: a
+//!   message of a few bytes is one cache line, and no ordering between lines is needed.
+//!   Half the bytes are flags, so LL is for small messages. The engine still reads and
+//!   writes whole slots: the ends unpack into (and pack from) private staging slots.
+//!   `head` is not used; `tail` still tells the sender which slots are free.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -29,16 +45,66 @@ pub const DATA_OFFSET: usize = 4096;
 /// Most slots a FIFO can have (their byte counts must fit before [`DATA_OFFSET`]).
 pub const MAX_SLOTS: usize = (DATA_OFFSET - SIZES) / 4;
 
+/// How a FIFO publishes its slots (see the [module documentation](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Protocol {
+    /// Data, byte count, then the `head` counter: full bandwidth.
+    #[default]
+    Simple,
+    /// A flag in every 8-byte line: low latency, half the bandwidth.
+    LL,
+}
+
+impl Protocol {
+    /// Every protocol, in the order the cost model prefers on ties.
+    pub const ALL: [Protocol; 2] = [Protocol::Simple, Protocol::LL];
+
+    /// NCCL's name for it (`Simple`, `LL`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Protocol::Simple => "Simple",
+            Protocol::LL => "LL",
+        }
+    }
+}
+
+/// Bytes of one LL line: 4 of data, 4 of flag.
+const LL_LINE: usize = 8;
+/// Data bytes of one LL line.
+const LL_DATA: usize = 4;
+
 /// The shape of a FIFO.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     /// Number of slots.
     pub slots: usize,
-    /// Bytes per slot (a multiple of 64).
+    /// Bytes per slot in the shared segment (a multiple of 64).
     pub slot_bytes: usize,
+    /// How slots are published.
+    pub protocol: Protocol,
 }
 
 impl Geometry {
+    /// An LL FIFO of `slots` slots carrying up to `payload` bytes each (a multiple of
+    /// 64).
+    pub fn ll(slots: usize, payload: usize) -> Self {
+        let lines = 1 + payload.div_ceil(LL_DATA);
+        Geometry {
+            slots,
+            slot_bytes: (lines * LL_LINE).next_multiple_of(64),
+            protocol: Protocol::LL,
+        }
+    }
+
+    /// Most bytes one slot carries: the whole slot for Simple, the data half of every
+    /// line but the first for LL (rounded down to 64 bytes).
+    pub fn payload(&self) -> usize {
+        match self.protocol {
+            Protocol::Simple => self.slot_bytes,
+            Protocol::LL => (self.slot_bytes / LL_LINE - 1) * LL_DATA / 64 * 64,
+        }
+    }
+
     /// Checks the shape.
     pub fn validate(&self) -> Result<()> {
         if !(2..=MAX_SLOTS).contains(&self.slots) {
@@ -54,6 +120,12 @@ impl Geometry {
                 self.slot_bytes
             )));
         }
+        if self.payload() == 0 {
+            return Err(Error::invalid(format!(
+                "LL FIFO slot size {} leaves no room for data",
+                self.slot_bytes
+            )));
+        }
         Ok(())
     }
 
@@ -63,7 +135,8 @@ impl Geometry {
     }
 
     fn encode(&self) -> u64 {
-        (self.slots as u64) << 32 | self.slot_bytes as u64
+        let ll = u64::from(self.protocol == Protocol::LL);
+        ll << 63 | (self.slots as u64) << 32 | self.slot_bytes as u64
     }
 }
 
@@ -120,6 +193,15 @@ impl Shared {
         self.u32_at(SIZES + 4 * slot)
     }
 
+    /// The lines of the slot of `counter` (LL FIFOs).
+    fn lines(&self, counter: u32) -> &[AtomicU64] {
+        let n = self.geometry.slot_bytes / LL_LINE;
+        // SAFETY: the slot's `slot_bytes` lie inside the segment, which lives as long
+        // as `self`; the slot is page-aligned plus a multiple of 64, so 8-aligned; both
+        // sides access lines only atomically.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(counter) as *const AtomicU64, n) }
+    }
+
     fn slot_ptr(&self, counter: u32) -> *mut u8 {
         let slot = counter as usize % self.geometry.slots;
         // SAFETY: slot < slots, so the slot lies inside the segment.
@@ -131,6 +213,39 @@ impl Shared {
     }
 }
 
+/// An LL end's private slots: the engine fills and reads these, the end packs them
+/// into lines and unpacks lines into them.
+struct Staging {
+    words: Vec<u64>,
+    /// Receiving end: which published slot (number, byte count) each staging slot
+    /// holds, so a slot the engine looks at again (its next peer's FIFO was full) is
+    /// not unpacked again.
+    holds: Vec<Option<(u32, usize)>>,
+}
+
+impl Staging {
+    /// Staging for `geometry`, if it is an LL FIFO.
+    fn for_geometry(geometry: Geometry) -> Option<Self> {
+        (geometry.protocol == Protocol::LL).then(|| Staging {
+            words: vec![0; geometry.slots * geometry.payload() / 8],
+            holds: vec![None; geometry.slots],
+        })
+    }
+
+    fn slot(&mut self, geometry: Geometry, counter: u32) -> *mut u8 {
+        let words = geometry.payload() / 8;
+        let slot = counter as usize % geometry.slots;
+        self.words[slot * words..][..words].as_mut_ptr() as *mut u8
+    }
+}
+
+/// The flag of every line of the slot published as number `counter`: never 0 for the
+/// first use of a slot (whose lines start zeroed), never the flag of the slot's previous
+/// use.
+fn ll_flag(counter: u32) -> u32 {
+    counter.wrapping_add(1)
+}
+
 /// The sending end of a FIFO.
 pub struct SendEnd {
     shared: Shared,
@@ -138,6 +253,8 @@ pub struct SendEnd {
     head: u32,
     /// Last value of `tail` seen (only grows).
     tail_seen: u32,
+    /// LL FIFOs: where the engine writes before [`SendEnd::commit`] packs.
+    staging: Option<Staging>,
 }
 
 /// The receiving end of a FIFO.
@@ -147,6 +264,8 @@ pub struct RecvEnd {
     tail: u32,
     /// Last value of `head` seen.
     head_seen: u32,
+    /// LL FIFOs: where a complete slot is unpacked for the engine to read.
+    staging: Option<Staging>,
 }
 
 /// Formats a new FIFO in `seg` (created by the receiver) and returns its receiving end.
@@ -155,6 +274,7 @@ pub fn recv_end(seg: Segment, geometry: Geometry) -> Result<RecvEnd> {
         shared: Shared::format(seg, geometry)?,
         tail: 0,
         head_seen: 0,
+        staging: Staging::for_geometry(geometry),
     })
 }
 
@@ -164,13 +284,22 @@ pub fn send_end(seg: Segment, geometry: Geometry, name: &str) -> Result<SendEnd>
         shared: Shared::attach(seg, geometry, name)?,
         head: 0,
         tail_seen: 0,
+        staging: Staging::for_geometry(geometry),
     })
 }
 
 impl SendEnd {
-    /// Bytes per slot.
+    /// Most bytes one slot carries.
     pub fn slot_bytes(&self) -> usize {
-        self.shared.geometry.slot_bytes
+        self.shared.geometry.payload()
+    }
+
+    /// The memory the engine writes slot `counter` into.
+    fn writable(&mut self, counter: u32) -> *mut u8 {
+        match &mut self.staging {
+            Some(st) => st.slot(self.shared.geometry, counter),
+            None => self.shared.slot_ptr(counter),
+        }
     }
 
     /// A free slot to write into, or `None` if the FIFO is full. The slot stays this
@@ -183,7 +312,7 @@ impl SendEnd {
                 return None;
             }
         }
-        Some(self.shared.slot_ptr(self.head))
+        Some(self.writable(self.head))
     }
 
     /// Like [`SendEnd::try_reserve`] for the slot `ahead` places after the next one to
@@ -198,12 +327,17 @@ impl SendEnd {
                 return None;
             }
         }
-        Some(self.shared.slot_ptr(wanted))
+        Some(self.writable(wanted))
     }
 
     /// Publishes the reserved slot holding `len` bytes.
     pub fn commit(&mut self, len: usize) {
         debug_assert!(len <= self.slot_bytes());
+        if self.staging.is_some() {
+            self.pack(len);
+            self.head = self.head.wrapping_add(1);
+            return;
+        }
         let slot = self.head as usize % self.shared.geometry.slots;
         self.shared
             .size_of(slot)
@@ -211,17 +345,44 @@ impl SendEnd {
         self.head = self.head.wrapping_add(1);
         self.shared.head().store(self.head, Ordering::Release);
     }
+
+    /// LL: writes the staged slot's `len` bytes into the shared slot as flagged lines,
+    /// data lines first and the count line last. Every store is relaxed: each line is
+    /// one atomic word carrying its own flag, so the receiver needs no ordering between
+    /// lines (the reason NCCL's LL needs no fence); writing the count line last only
+    /// makes it rare for the receiver to look too early.
+    fn pack(&mut self, len: usize) {
+        let head = self.head;
+        debug_assert!(len <= self.shared.geometry.payload());
+        let flag = u64::from(ll_flag(head)) << 32;
+        // Whole words: bytes past `len` in the last one are whatever the staging slot
+        // held (it holds `payload` bytes, a multiple of 4); the receiver ignores them.
+        let words = len.div_ceil(LL_DATA);
+        let src = self.writable(head) as *const u8;
+        // SAFETY: `words * 4 <= payload`, inside the staging slot, which nothing else
+        // uses while this end is borrowed.
+        let data = unsafe { std::slice::from_raw_parts(src, words * LL_DATA) };
+        let lines = self.shared.lines(head);
+        for (line, word) in lines[1..=words].iter().zip(data.chunks_exact(LL_DATA)) {
+            let w = u32::from_le_bytes(word.try_into().expect("4 bytes"));
+            line.store(flag | u64::from(w), Ordering::Relaxed);
+        }
+        lines[0].store(flag | len as u64, Ordering::Relaxed);
+    }
 }
 
 impl RecvEnd {
-    /// Bytes per slot.
+    /// Most bytes one slot carries.
     pub fn slot_bytes(&self) -> usize {
-        self.shared.geometry.slot_bytes
+        self.shared.geometry.payload()
     }
 
     /// The oldest published slot and its byte count, or `None` if the FIFO is empty. The
     /// slot stays readable until [`RecvEnd::release`].
     pub fn try_peek(&mut self) -> Option<(*const u8, usize)> {
+        if self.staging.is_some() {
+            return self.unpack(self.tail);
+        }
         if self.tail == self.head_seen {
             self.head_seen = self.shared.head().load(Ordering::Acquire);
             if self.tail == self.head_seen {
@@ -237,6 +398,9 @@ impl RecvEnd {
     /// several readers can work on slots at once; they are still released in order.
     pub fn try_peek_ahead(&mut self, ahead: u32) -> Option<(*const u8, usize)> {
         let wanted = self.tail.wrapping_add(ahead);
+        if self.staging.is_some() {
+            return self.unpack(wanted);
+        }
         if self.head_seen.wrapping_sub(self.tail) <= ahead {
             self.head_seen = self.shared.head().load(Ordering::Acquire);
             if self.head_seen.wrapping_sub(self.tail) <= ahead {
@@ -246,6 +410,43 @@ impl RecvEnd {
         let slot = wanted as usize % self.shared.geometry.slots;
         let len = self.shared.size_of(slot).load(Ordering::Relaxed) as usize;
         Some((self.shared.slot_ptr(wanted), len))
+    }
+
+    /// LL: the slot published as number `counter` unpacked into its staging slot, if
+    /// every line it needs carries that number's flag.
+    fn unpack(&mut self, counter: u32) -> Option<(*const u8, usize)> {
+        let geometry = self.shared.geometry;
+        let slot = counter as usize % geometry.slots;
+        let staging = self.staging.as_mut().expect("LL ends have staging");
+        if let Some((held, len)) = staging.holds[slot]
+            && held == counter
+        {
+            return Some((staging.slot(geometry, counter) as *const u8, len));
+        }
+        let flag = u64::from(ll_flag(counter));
+        let lines = self.shared.lines(counter);
+        let first = lines[0].load(Ordering::Relaxed);
+        if first >> 32 != flag {
+            return None;
+        }
+        let len = (first as u32 as usize).min(geometry.payload());
+        let words = len.div_ceil(LL_DATA);
+        let dst = staging.slot(geometry, counter);
+        // SAFETY: `words * 4 <= payload`, inside this end's own staging slot.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst, words * LL_DATA) };
+        // Copy every line, then look at the flags once: a line not yet written makes
+        // the whole slot wait for the next look.
+        let mut stale = 0u64;
+        for (line, word) in lines[1..=words].iter().zip(out.chunks_exact_mut(LL_DATA)) {
+            let v = line.load(Ordering::Relaxed);
+            stale |= (v >> 32) ^ flag;
+            word.copy_from_slice(&(v as u32).to_le_bytes());
+        }
+        if stale != 0 {
+            return None;
+        }
+        staging.holds[slot] = Some((counter, len));
+        Some((dst as *const u8, len))
     }
 
     /// Hands the slot from [`RecvEnd::try_peek`] back to the sender.
@@ -260,45 +461,91 @@ mod tests {
     use super::super::segment::SegmentKind;
     use super::*;
 
+    /// Both ends of a new in-process FIFO of shape `g`.
+    fn pair(g: Geometry, tag: &str) -> (SendEnd, RecvEnd) {
+        let name = format!("ferroccl-test-fifo-{tag}-{}", std::process::id());
+        let seg = Segment::create(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
+        let rx = recv_end(seg, g).unwrap();
+        let seg = Segment::open(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
+        let tx = send_end(seg, g, &name).unwrap();
+        Segment::unlink(SegmentKind::InProcess, &name);
+        (tx, rx)
+    }
+
+    /// Message `i`: its length (1 to 64 bytes, so LL's partial last lines are covered)
+    /// and its bytes.
+    fn message(i: u32) -> Vec<u8> {
+        let len = 1 + (i as usize * 7) % 64;
+        (0..len).map(|k| (i as usize * 31 + k) as u8).collect()
+    }
+
     #[test]
     fn slots_flow_in_order_and_the_fifo_fills_up() {
-        let g = Geometry {
+        let simple = Geometry {
             slots: 4,
             slot_bytes: 64,
+            protocol: Protocol::Simple,
         };
-        let name = format!("ferroccl-test-fifo-{}", std::process::id());
-        let seg = Segment::create(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
-        let mut rx = recv_end(seg, g).unwrap();
-        let seg = Segment::open(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
-        let mut tx = send_end(seg, g, &name).unwrap();
-        Segment::unlink(SegmentKind::InProcess, &name);
-        let producer = std::thread::spawn(move || {
-            for i in 0..1000u32 {
-                let slot = loop {
-                    if let Some(p) = tx.try_reserve() {
-                        break p;
+        for g in [simple, Geometry::ll(4, 64), Geometry::ll(3, 128)] {
+            assert!(g.validate().is_ok() && g.payload() >= 64, "{g:?}");
+            let (mut tx, mut rx) = pair(g, "order");
+            let producer = std::thread::spawn(move || {
+                for i in 0..3000u32 {
+                    let slot = loop {
+                        if let Some(p) = tx.try_reserve() {
+                            break p;
+                        }
+                        std::hint::spin_loop();
+                    };
+                    let m = message(i);
+                    // SAFETY: the reserved slot holds at least 64 bytes and is ours
+                    // until commit.
+                    unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
+                    tx.commit(m.len());
+                }
+            });
+            for i in 0..3000u32 {
+                let (p, len) = loop {
+                    if let Some(s) = rx.try_peek() {
+                        break s;
                     }
                     std::hint::spin_loop();
                 };
-                // SAFETY: the reserved slot has 64 bytes and is ours until commit.
-                unsafe { std::ptr::write_unaligned(slot as *mut u32, i) };
-                tx.commit(4 + (i as usize % 60));
+                // SAFETY: the peeked slot holds `len` published bytes until release.
+                let got = unsafe { std::slice::from_raw_parts(p, len) }.to_vec();
+                assert_eq!(got, message(i), "{:?} message {i}", g.protocol);
+                rx.release();
             }
-        });
-        for i in 0..1000u32 {
-            let (p, len) = loop {
-                if let Some(s) = rx.try_peek() {
-                    break s;
-                }
-                std::hint::spin_loop();
-            };
-            // SAFETY: the peeked slot was published with at least 4 bytes.
-            let v = unsafe { std::ptr::read_unaligned(p as *const u32) };
-            assert_eq!((v, len), (i, 4 + (i as usize % 60)));
+            producer.join().unwrap();
+            assert!(rx.try_peek().is_none());
+        }
+    }
+
+    #[test]
+    fn an_ll_slot_is_seen_only_when_every_line_carries_its_flag() {
+        let g = Geometry::ll(2, 64);
+        let (mut tx, mut rx) = pair(g, "ll-flags");
+        for round in 0..4u32 {
+            let slot = tx.try_reserve().unwrap();
+            // SAFETY: 64-byte staging slot, ours until commit.
+            unsafe { std::ptr::write_bytes(slot, round as u8 + 1, 10) };
+            tx.commit(10);
+            // Line 2 (bytes 4..8) as it was before this commit: the slot is not ready.
+            let line = &tx.shared.lines(round)[2];
+            let written = line.load(Ordering::Relaxed);
+            let stale = u64::from(if round < 2 { 0 } else { ll_flag(round - 2) }) << 32;
+            line.store(stale, Ordering::Relaxed);
+            assert!(
+                rx.try_peek().is_none(),
+                "round {round}: a stale line was taken"
+            );
+            line.store(written, Ordering::Relaxed);
+            let (p, len) = rx.try_peek().expect("every line written");
+            // SAFETY: the slot holds `len` bytes until release.
+            let got = unsafe { std::slice::from_raw_parts(p, len) };
+            assert_eq!(got, &[round as u8 + 1; 10]);
             rx.release();
         }
-        producer.join().unwrap();
-        assert!(rx.try_peek().is_none());
     }
 
     #[test]
@@ -306,11 +553,13 @@ mod tests {
         let bad = Geometry {
             slots: 1,
             slot_bytes: 64,
+            protocol: Protocol::Simple,
         };
         assert!(bad.validate().is_err());
         let g = Geometry {
             slots: 2,
             slot_bytes: 128,
+            protocol: Protocol::Simple,
         };
         let name = format!("ferroccl-test-fifo-geom-{}", std::process::id());
         let seg = Segment::create(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
@@ -318,9 +567,16 @@ mod tests {
         let other = Geometry {
             slots: 4,
             slot_bytes: 64,
+            protocol: Protocol::Simple,
         };
-        let seg = Segment::open(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
-        assert!(send_end(seg, other, &name).is_err());
+        let ll = Geometry {
+            protocol: Protocol::LL,
+            ..g
+        };
+        for wrong in [other, ll] {
+            let seg = Segment::open(SegmentKind::InProcess, &name, g.segment_bytes()).unwrap();
+            assert!(send_end(seg, wrong, &name).is_err(), "{wrong:?}");
+        }
         Segment::unlink(SegmentKind::InProcess, &name);
     }
 }

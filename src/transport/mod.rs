@@ -2,7 +2,10 @@
 //!
 //! Every transport presents the same thing to the engine: one [`fifo`] per (channel,
 //! sender, receiver), with flow control by slot counters, and one [`bell`] per rank to
-//! sleep on. What differs is where the memory lives:
+//! sleep on. Between ranks of one host there is a second, small FIFO per (channel,
+//! sender, receiver) in the [LL](Protocol::LL) format, for calls the cost model gives
+//! to LL; over TCP every call uses the Simple FIFOs (the proxies and the socket set the
+//! pace there, not the FIFO format). What differs is where the memory lives:
 //!
 //! | transport | used between | memory |
 //! | --- | --- | --- |
@@ -26,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bell::{BELL_BYTES, Bell, Closed};
+pub use fifo::Protocol;
 use fifo::{Geometry, RecvEnd, SendEnd};
 use liveness::Liveness;
 use segment::{Segment, SegmentKind};
@@ -52,8 +56,10 @@ pub enum TransportChoice {
 /// How to connect a communicator's ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportConfig {
-    /// Shape of every FIFO.
+    /// Shape of every Simple FIFO.
     pub geometry: Geometry,
+    /// Shape of the LL FIFOs between ranks of one host; `None`: no LL FIFOs.
+    pub ll: Option<Geometry>,
     /// The ring of each collective channel (every channel connects every pair of ranks).
     pub rings: Vec<Vec<usize>>,
     /// Which transport to use.
@@ -85,9 +91,10 @@ pub struct Connections {
     rank: usize,
     nranks: usize,
     channels: usize,
-    /// `[channel index][peer]`; the last channel index is the point-to-point channel.
-    sends: Vec<Vec<Option<SendEnd>>>,
-    recvs: Vec<Vec<Option<RecvEnd>>>,
+    /// `[format][channel index][peer]`: format 0 Simple, 1 LL (see [`format_index`]);
+    /// the last channel index is the point-to-point channel.
+    sends: Vec<Vec<Vec<Option<SendEnd>>>>,
+    recvs: Vec<Vec<Vec<Option<RecvEnd>>>>,
     bell: Bell,
     peer_bells: Vec<Option<Bell>>,
     liveness: Vec<Option<Liveness>>,
@@ -96,6 +103,7 @@ pub struct Connections {
     /// A second view of this rank's bell, for [`Connections::abort_handle`].
     own_bell: Arc<Bell>,
     geometry: Geometry,
+    ll: Option<Geometry>,
     /// More ranks on this host than cores to run them.
     oversubscribed: bool,
 }
@@ -130,6 +138,14 @@ fn table<T>(rows: usize, cols: usize) -> Vec<Vec<Option<T>>> {
         .collect()
 }
 
+/// Where the FIFOs of `protocol` sit in [`Connections`]' tables.
+fn format_index(protocol: Protocol) -> usize {
+    match protocol {
+        Protocol::Simple => 0,
+        Protocol::LL => 1,
+    }
+}
+
 /// How two ranks are connected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
@@ -143,6 +159,17 @@ impl Connections {
     /// with the same configuration).
     pub fn establish(boot: &Bootstrap, config: &TransportConfig) -> Result<Self> {
         config.geometry.validate()?;
+        if config.geometry.protocol != Protocol::Simple
+            || config.ll.is_some_and(|g| g.protocol != Protocol::LL)
+        {
+            return Err(Error::invalid(format!(
+                "transport: FIFO formats {:?} and {:?} are not Simple and LL",
+                config.geometry, config.ll
+            )));
+        }
+        if let Some(ll) = config.ll {
+            ll.validate()?;
+        }
         let (rank, nranks) = (boot.rank(), boot.world_size());
         let peers = boot.peers();
         let me = &peers[rank];
@@ -221,8 +248,12 @@ impl Connections {
                 ci.to_string()
             }
         };
-        let fifo_name =
-            |ci: usize, from: usize, to: usize| format!("{prefix}-f{}-{from}-{to}", chan_name(ci));
+        // Every FIFO format in use: Simple always, LL when configured.
+        let formats: Vec<Geometry> = std::iter::once(config.geometry).chain(config.ll).collect();
+        let fifo_name = |g: Geometry, ci: usize, from: usize, to: usize| {
+            let ll = if g.protocol == Protocol::LL { "l" } else { "" };
+            format!("{prefix}-f{}{ll}-{from}-{to}", chan_name(ci))
+        };
         let bell_name = |owner: usize| format!("{prefix}-b{owner}");
         // Peers this rank is connected to (both ways) on channel index `ci`.
         let neighbours = |ci: usize| -> Vec<usize> {
@@ -247,19 +278,22 @@ impl Connections {
             &bell_name(rank),
             BELL_BYTES,
         )?));
-        let bytes = config.geometry.segment_bytes();
-        let mut recvs: Vec<Vec<Option<RecvEnd>>> = table(channels + 1, nranks);
-        let mut sends: Vec<Vec<Option<SendEnd>>> = table(channels + 1, nranks);
+        let mut recvs: Vec<Vec<Vec<Option<RecvEnd>>>> =
+            (0..2).map(|_| table(channels + 1, nranks)).collect();
+        let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
+            (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
-        for (ci, row) in recvs.iter_mut().enumerate() {
-            for from in neighbours(ci) {
-                if path(from, rank) == Path::Tcp {
-                    continue;
+        for &g in &formats {
+            for (ci, row) in recvs[format_index(g.protocol)].iter_mut().enumerate() {
+                for from in neighbours(ci) {
+                    if path(from, rank) == Path::Tcp {
+                        continue;
+                    }
+                    let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
+                    let seg = Segment::create(kind, &name, g.segment_bytes())?;
+                    created.0.push((kind, name));
+                    row[from] = Some(fifo::recv_end(seg, g)?);
                 }
-                let (kind, name) = (kind_of(path(from, rank)), fifo_name(ci, from, rank));
-                let seg = Segment::create(kind, &name, bytes)?;
-                created.0.push((kind, name));
-                row[from] = Some(fifo::recv_end(seg, config.geometry)?);
             }
         }
 
@@ -327,8 +361,8 @@ impl Connections {
                 &tag,
                 config.link_timeout,
             )?;
-            sends[ci][peer] = Some(tx);
-            recvs[ci][peer] = Some(rx);
+            sends[0][ci][peer] = Some(tx);
+            recvs[0][ci][peer] = Some(rx);
             links[ci][peer] = Some(link);
         }
         boot.barrier()?;
@@ -344,14 +378,16 @@ impl Connections {
                 Liveness::watch(peers[peer].pid)
             });
         }
-        for (ci, row) in sends.iter_mut().enumerate() {
-            for to in neighbours(ci) {
-                if path(rank, to) == Path::Tcp {
-                    continue;
+        for &g in &formats {
+            for (ci, row) in sends[format_index(g.protocol)].iter_mut().enumerate() {
+                for to in neighbours(ci) {
+                    if path(rank, to) == Path::Tcp {
+                        continue;
+                    }
+                    let (kind, name) = (kind_of(path(rank, to)), fifo_name(g, ci, rank, to));
+                    let seg = Segment::open(kind, &name, g.segment_bytes())?;
+                    row[to] = Some(fifo::send_end(seg, g, &name)?);
                 }
-                let (kind, name) = (kind_of(path(rank, to)), fifo_name(ci, rank, to));
-                let seg = Segment::open(kind, &name, bytes)?;
-                row[to] = Some(fifo::send_end(seg, config.geometry, &name)?);
             }
         }
         boot.barrier()?;
@@ -365,7 +401,8 @@ impl Connections {
         };
         tracing::info!(
             "rank {rank}: peers {:?} via shared memory, {:?} in process, {:?} via TCP \
-             ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs of {} x {} B",
+             ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs of {} x {} B, \
+             LL FIFOs {}",
             via(Path::Shm),
             via(Path::InProcess),
             via(Path::Tcp),
@@ -373,7 +410,12 @@ impl Connections {
             striping.threads,
             striping.sockets_per_thread,
             config.geometry.slots,
-            config.geometry.slot_bytes
+            config.geometry.slot_bytes,
+            config.ll.map_or("off".to_string(), |g| format!(
+                "of {} x {} B (between ranks of one host)",
+                g.slots,
+                g.payload()
+            )),
         );
         Ok(Connections {
             rank,
@@ -387,6 +429,7 @@ impl Connections {
             links,
             own_bell: proxy_view,
             geometry: config.geometry,
+            ll: config.ll,
             oversubscribed,
         })
     }
@@ -401,9 +444,19 @@ impl Connections {
         self.nranks
     }
 
-    /// The FIFO shape.
+    /// The Simple FIFOs' shape.
     pub fn geometry(&self) -> Geometry {
         self.geometry
+    }
+
+    /// Bytes of one slice of a call that uses `protocol`: what one slot of that
+    /// protocol carries (LL slices also travel through Simple FIFOs, to peers reached
+    /// over TCP, so every rank cuts a call the same way).
+    pub fn slice_bytes(&self, protocol: Protocol) -> usize {
+        match (protocol, self.ll) {
+            (Protocol::LL, Some(ll)) => ll.payload(),
+            _ => self.geometry.payload(),
+        }
     }
 
     /// Whether this host runs more ranks than it has cores (waiting then yields the core
@@ -420,19 +473,28 @@ impl Connections {
         }
     }
 
-    /// The sending end towards `peer` on `channel`, and the receiving end from `from`
-    /// on the same channel (either may be absent), borrowed together.
+    /// The sending end towards `to` on `channel`, and the receiving end from `from`
+    /// on the same channel (either may be absent), borrowed together: the FIFOs of
+    /// `protocol` where the pair has them, the Simple ones otherwise (LL over TCP).
     pub fn ends(
         &mut self,
         channel: usize,
+        protocol: Protocol,
         to: Option<usize>,
         from: Option<usize>,
     ) -> (Option<&mut SendEnd>, Option<&mut RecvEnd>) {
         let Some(ci) = self.channel_index(channel) else {
             return (None, None);
         };
-        let send = to.and_then(|p| self.sends[ci].get_mut(p)?.as_mut());
-        let recv = from.and_then(|p| self.recvs[ci].get_mut(p)?.as_mut());
+        let f = format_index(protocol);
+        let send_format = |p: usize| if self.sends[f][ci][p].is_some() { f } else { 0 };
+        let recv_format = |p: usize| if self.recvs[f][ci][p].is_some() { f } else { 0 };
+        let to = to.filter(|&p| p < self.nranks).map(|p| (send_format(p), p));
+        let from = from
+            .filter(|&p| p < self.nranks)
+            .map(|p| (recv_format(p), p));
+        let send = to.and_then(|(f, p)| self.sends[f][ci][p].as_mut());
+        let recv = from.and_then(|(f, p)| self.recvs[f][ci][p].as_mut());
         (send, recv)
     }
 

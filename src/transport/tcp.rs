@@ -248,6 +248,11 @@ impl TcpLink {
         link_timeout: Duration,
     ) -> Result<(Self, SendEnd, RecvEnd)> {
         striping.validate()?;
+        if geometry.protocol != super::Protocol::Simple {
+            return Err(Error::invalid(format!(
+                "TCP links carry Simple FIFOs only, not {geometry:?}"
+            )));
+        }
         assert_eq!(streams.len(), striping.sockets(), "one stream per socket");
         for stream in &streams {
             stream

@@ -23,6 +23,7 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Collective, PlanOptions};
+use crate::transport::Protocol;
 use crate::tune::{CostModel, LinkCost, Shape};
 
 /// A machine to predict for.
@@ -242,8 +243,12 @@ pub struct Row {
 
 /// All-reduce predictions for sizes from 8 B by ×2 up to `max_bytes`.
 pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
+    // The plans simulated here have no protocol: the model picks among algorithms with
+    // Simple only.
+    let local = topo.effective_local();
     let model = CostModel {
-        local: topo.effective_local(),
+        local,
+        local_ll: local,
         net: topo.net,
     };
     let shape = Shape {
@@ -258,7 +263,15 @@ pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
             bytes,
             ring: predict(topo, Collective::AllReduce, Algorithm::Ring, bytes)?,
             tree: predict(topo, Collective::AllReduce, Algorithm::Tree, bytes)?,
-            pick: model.best_all_reduce(bytes, shape, &[Algorithm::Ring, Algorithm::Tree]),
+            pick: model
+                .best(
+                    Collective::AllReduce,
+                    bytes,
+                    shape,
+                    &[Algorithm::Ring, Algorithm::Tree],
+                    &[Protocol::Simple],
+                )
+                .algorithm,
         });
         bytes *= 2;
     }
