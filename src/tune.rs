@@ -246,7 +246,7 @@ impl CostModel {
 
     /// Predicted seconds for `collective` on `bytes` per rank (its count times the
     /// element size) with `choice`. All-reduce and broadcast as above; reduce as a
-    /// broadcast's chain; all-gather and reduce-scatter `n−1` ring steps of one block;
+    /// broadcast (chain or tree); all-gather and reduce-scatter `n−1` ring steps of one block;
     /// the direct collectives and send/recv one hand-off and the blocks they move.
     pub fn time(&self, collective: Collective, choice: Choice, bytes: usize, shape: Shape) -> f64 {
         let n1 = shape.ranks.saturating_sub(1) as f64;
@@ -255,9 +255,12 @@ impl CostModel {
         let ring_only = choice.algorithm == Algorithm::Ring;
         match collective {
             Collective::AllReduce => self.all_reduce(choice, bytes, shape),
-            Collective::Broadcast { .. } => self.broadcast(choice, bytes, shape),
+            // A reduce is a broadcast run backwards: the same chain or tree, the same
+            // bytes per link.
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => {
+                self.broadcast(choice, bytes, shape)
+            }
             _ if !ring_only => f64::INFINITY,
-            Collective::Reduce { .. } => self.broadcast(choice, bytes, shape),
             Collective::AllGather | Collective::ReduceScatter => n1 * (pace.alpha + s / pace.beta),
             Collective::AllToAll | Collective::Gather { .. } | Collective::Scatter { .. } => {
                 pace.alpha + n1 * s / pace.beta

@@ -165,7 +165,7 @@ fn eight_ranks() {
 }
 
 #[test]
-fn tree_all_reduce_and_broadcast_on_every_rank_count() {
+fn tree_all_reduce_broadcast_and_reduce_on_every_rank_count() {
     for n in 2..=8 {
         let mut config = config(1 + n % 2);
         config.algorithms = vec![ferroccl::plan::Algorithm::Tree];
@@ -188,6 +188,9 @@ fn tree_all_reduce_and_broadcast_on_every_rank_count() {
                         count,
                         root % 2 == 0,
                     ));
+                    for op in ops() {
+                        calls.push((Collective::Reduce { root }, dtype, op, count, root % 2 == 1));
+                    }
                 }
             }
         }

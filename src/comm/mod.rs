@@ -761,6 +761,7 @@ impl Communicator {
                 kernel: Kernel::new(raw.dtype, op, self.nranks)?,
                 plain: Kernel::new(raw.dtype, plain, self.nranks)?,
                 reducing,
+                scratch: std::ptr::null_mut(),
             });
         }
         let mut st = self.lock();
@@ -836,9 +837,22 @@ impl Communicator {
             Some(fused) => fused,
             None => &st.last_plan.as_ref().expect("planned above").1,
         };
-        // SAFETY: the buffers are valid as the caller promised; the plan's regions stay
-        // inside them because the plan was made from the same counts.
+        // The scratch memory the plan asks for, 8-byte aligned for every element type;
+        // it lives until the call returns.
+        let mut scratch: Vec<Vec<u64>> = Vec::new();
+        for (i, (op, raw)) in ops.iter_mut().zip(raws).enumerate() {
+            let bytes = plan.scratch_elems(i) * raw.dtype.size();
+            if bytes > 0 {
+                let mut memory = vec![0u64; bytes.div_ceil(8)];
+                op.scratch = memory.as_mut_ptr() as *mut u8;
+                scratch.push(memory);
+            }
+        }
+        // SAFETY: the buffers are valid as the caller promised, and the scratch memory
+        // until `scratch` drops; the plan's regions stay inside them because the plan
+        // was made from the same counts.
         let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
+        drop(scratch);
         if let Err(e) = &result {
             self.set_failure(match e {
                 Error::Aborted { reason, .. } => reason.clone(),
@@ -895,11 +909,13 @@ impl Communicator {
 
     /// The algorithm and protocol a call of `collective` moving `bytes` per rank uses:
     /// those `FERROCCL_ALGO` / `FERROCCL_PROTO` force, or the cost model's choice among
-    /// those allowed. (All-reduce and broadcast have a choice of algorithm; the others
-    /// have one, reported as ring. Every collective has a choice of protocol.)
+    /// those allowed. (All-reduce, broadcast and reduce have a choice of algorithm; the
+    /// others have one, reported as ring. Every collective has a choice of protocol.)
     pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
         let algorithms: &[Algorithm] = match collective {
-            Collective::AllReduce | Collective::Broadcast { .. } => &self.config.algorithms,
+            Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. } => {
+                &self.config.algorithms
+            }
             _ => &[Algorithm::Ring],
         };
         let choice = self.model.best(

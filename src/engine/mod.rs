@@ -49,6 +49,9 @@ pub struct OpBuffers {
     pub input: *const u8,
     /// Start of the output buffer (may be null when the plan never writes it).
     pub output: *mut u8,
+    /// Start of the call's scratch memory, [`Plan::scratch_elems`] elements (null when
+    /// the plan needs none).
+    pub scratch: *mut u8,
     /// Element type and reduction.
     pub kernel: Kernel,
     /// The same reduction without its pre-operation, for operands that are partial
@@ -293,6 +296,7 @@ unsafe fn addr(ops: &[OpBuffers], region: &Region, skip: usize) -> *mut u8 {
     let base = match region.buf {
         Buf::Input => op.input as *mut u8,
         Buf::Output => op.output,
+        Buf::Scratch => op.scratch,
     };
     let elem = op.kernel.dtype().size();
     // SAFETY: within the buffer by the caller's contract.

@@ -33,13 +33,17 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
-/// Which of the caller's two buffers a region lies in.
+/// Which buffer a region lies in: one of the caller's two, or the call's own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Buf {
     /// The send buffer (the rank's contribution).
     Input,
     /// The receive buffer (the result).
     Output,
+    /// Memory the call provides for partial results that belong in neither of the
+    /// caller's buffers (a non-root rank's partial sums in a tree reduce, where only
+    /// the root has a receive buffer); [`Plan::scratch_elems`] says how much.
+    Scratch,
 }
 
 /// A range of elements of one buffer of one operation.
@@ -77,6 +81,16 @@ impl Region {
         }
     }
 
+    /// Elements `offset..offset + len` of the call's scratch buffer.
+    pub const fn scratch(offset: usize, len: usize) -> Self {
+        Region {
+            op: 0,
+            buf: Buf::Scratch,
+            offset,
+            len,
+        }
+    }
+
     /// One past the last element.
     pub const fn end(&self) -> usize {
         self.offset + self.len
@@ -88,6 +102,7 @@ impl fmt::Display for Region {
         let name = match self.buf {
             Buf::Input => "in",
             Buf::Output => "out",
+            Buf::Scratch => "tmp",
         };
         if self.op > 0 {
             write!(f, "{name}#{}[{}..{}]", self.op, self.offset, self.end())
@@ -218,19 +233,28 @@ impl Step {
         }
     }
 
-    /// Adds `shift` to the operation index of every region of the step.
-    fn shift_ops(&mut self, shift: usize) {
-        let bump = |r: &mut Region| r.op += shift;
+    /// The step's local regions (its source, its destination, or both).
+    pub fn regions(&self) -> impl Iterator<Item = Region> {
+        let mut step = *self;
+        let [a, b] = step.regions_mut().map(|r| r.copied());
+        [a, b].into_iter().flatten()
+    }
+
+    fn regions_mut(&mut self) -> [Option<&mut Region>; 2] {
         match self {
-            Step::Send { src, .. } | Step::RecvReduceSend { src, .. } => bump(src),
-            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => bump(dst),
+            Step::Send { src, .. } | Step::RecvReduceSend { src, .. } => [Some(src), None],
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None],
             Step::CopySend { src, dst, .. }
             | Step::RecvReduceCopy { src, dst, .. }
             | Step::RecvReduceCopySend { src, dst, .. }
-            | Step::Copy { src, dst } => {
-                bump(src);
-                bump(dst);
-            }
+            | Step::Copy { src, dst } => [Some(src), Some(dst)],
+        }
+    }
+
+    /// Adds `shift` to the operation index of every region of the step.
+    fn shift_ops(&mut self, shift: usize) {
+        for r in self.regions_mut().into_iter().flatten() {
+            r.op += shift;
         }
     }
 
@@ -589,6 +613,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Elements of scratch memory operation `op` needs (0 for most plans).
+    pub fn scratch_elems(&self, op: usize) -> usize {
+        self.steps()
+            .flat_map(|s| s.regions())
+            .filter(|r| r.op == op && r.buf == Buf::Scratch)
+            .map(|r| r.end())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Every step, lane by lane.
     pub fn steps(&self) -> impl Iterator<Item = &Step> {
         self.lanes.iter().flat_map(|l| l.steps.iter())
@@ -749,7 +783,10 @@ pub fn plan(
             Algorithm::Ring | Algorithm::OneShot => b.ring_broadcast(root),
             Algorithm::Tree => b.tree_broadcast(root),
         },
-        Collective::Reduce { root } => b.ring_reduce(root),
+        Collective::Reduce { root } => match options.algorithm {
+            Algorithm::Ring | Algorithm::OneShot => b.ring_reduce(root),
+            Algorithm::Tree => b.tree_reduce(root),
+        },
         Collective::AllToAll => b.direct_all_to_all(),
         Collective::Gather { root } => b.direct_rooted(root, true),
         Collective::Scatter { root } => b.direct_rooted(root, false),
@@ -816,6 +853,42 @@ fn tree_down(parent: Option<usize>, kids: &[usize], root_src: Region, out: Regio
     }];
     steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
     steps
+}
+
+/// One chunk's way up a tree, for the rank with `parent` and `kids`: a leaf sends its
+/// contribution `inp` to its parent; an inner rank adds each child's partial sum to its
+/// contribution, accumulating in `acc`, and sends the last sum to its parent instead; the
+/// root completes the sum in `acc` (with the post-operation).
+fn tree_up(parent: Option<usize>, kids: &[usize], inp: Region, acc: Region) -> Vec<Step> {
+    if kids.is_empty() {
+        return match parent {
+            Some(p) => vec![Step::Send { to: p, src: inp }],
+            // A single rank: its contribution is the result.
+            None => vec![Step::Copy { src: inp, dst: acc }],
+        };
+    }
+    kids.iter()
+        .enumerate()
+        .map(|(k, &kid)| {
+            // The first child's partial meets this rank's contribution; later ones meet
+            // the partial sum accumulated so far.
+            let src = if k == 0 { inp } else { acc };
+            let last = k + 1 == kids.len();
+            match parent {
+                Some(p) if last => Step::RecvReduceSend {
+                    from: kid,
+                    to: p,
+                    src,
+                },
+                _ => Step::RecvReduceCopy {
+                    from: kid,
+                    src,
+                    dst: acc,
+                    post: last,
+                },
+            }
+        })
+        .collect()
 }
 
 /// A lane of channel 0 with a single step.
@@ -960,31 +1033,7 @@ impl Builder<'_> {
             for i in 0..len.div_ceil(self.chunk) {
                 let (off, l) = (lo + i * self.chunk, self.chunk.min(len - i * self.chunk));
                 let (inp, out) = (Region::input(off, l), Region::output(off, l));
-                let mut up_steps = Vec::new();
-                if kids.is_empty()
-                    && let Some(p) = parent
-                {
-                    up_steps.push(Step::Send { to: p, src: inp });
-                }
-                for (k, &kid) in kids.iter().enumerate() {
-                    // The first child's partial meets this rank's contribution; later
-                    // ones meet the partial sum accumulated in the output buffer.
-                    let src = if k == 0 { inp } else { out };
-                    let last = k + 1 == kids.len();
-                    up_steps.push(match parent {
-                        Some(p) if last => Step::RecvReduceSend {
-                            from: kid,
-                            to: p,
-                            src,
-                        },
-                        _ => Step::RecvReduceCopy {
-                            from: kid,
-                            src,
-                            dst: out,
-                            post: last,
-                        },
-                    });
-                }
+                let up_steps = tree_up(parent, kids, inp, out);
                 // The root sends what it just completed in its output buffer.
                 let down_steps = tree_down(parent, kids, out, out);
                 if parent.is_none() {
@@ -1051,6 +1100,23 @@ impl Builder<'_> {
         self.lanes_by_chunk(|_, off, l, steps| {
             let (inp, out) = (Region::input(off, l), Region::output(off, l));
             steps.extend(tree_down(parent, kids, inp, out));
+        })
+    }
+
+    /// Tree reduce: the contributions flow up tree 0 re-rooted at the root, chunk by
+    /// chunk, each rank adding its children's partial sums to its own contribution. A
+    /// rank with several children accumulates in the call's scratch memory (only the
+    /// root has a receive buffer).
+    fn tree_reduce(&self, root: usize) -> Vec<Lane> {
+        let t = tree::RankTree::rooted_at(self.hosts, root);
+        let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
+        self.lanes_by_chunk(|_, off, l, steps| {
+            let acc = if parent.is_none() {
+                Region::output(off, l)
+            } else {
+                Region::scratch(off, l)
+            };
+            steps.extend(tree_up(parent, kids, Region::input(off, l), acc));
         })
     }
 

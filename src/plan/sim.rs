@@ -67,6 +67,9 @@ pub struct Buffers<T> {
     pub input_len: usize,
     /// Length of the output buffer.
     pub output_len: usize,
+    /// The call's scratch memory ([`Buf::Scratch`]): grows as it is written; reading
+    /// an element never written is an error of the plan.
+    scratch: Vec<Option<T>>,
 }
 
 impl<T: Clone> Buffers<T> {
@@ -81,6 +84,7 @@ impl<T: Clone> Buffers<T> {
             output_at: input_len,
             input_len,
             output_len,
+            scratch: Vec::new(),
         }
     }
 
@@ -94,6 +98,7 @@ impl<T: Clone> Buffers<T> {
             output_at: 0,
             input_len,
             output_len,
+            scratch: Vec::new(),
         }
     }
 
@@ -107,6 +112,7 @@ impl<T: Clone> Buffers<T> {
             output_at,
             input_len,
             output_len,
+            scratch: Vec::new(),
         }
     }
 
@@ -124,6 +130,7 @@ impl<T: Clone> Buffers<T> {
         let (base, len) = match r.buf {
             Buf::Input => (self.input_at, self.input_len),
             Buf::Output => (self.output_at, self.output_len),
+            Buf::Scratch => (0, 0),
         };
         if r.end() > len {
             return Err(Error::invalid(format!(
@@ -134,10 +141,28 @@ impl<T: Clone> Buffers<T> {
     }
 
     fn read(&self, r: &Region) -> Result<Vec<T>> {
+        if r.buf == Buf::Scratch {
+            return self
+                .scratch
+                .get(r.offset..r.end())
+                .and_then(|s| s.iter().cloned().collect::<Option<Vec<T>>>())
+                .ok_or_else(|| {
+                    Error::invalid(format!("simulate: {r} is read before it is written"))
+                });
+        }
         Ok(self.mem[self.range(r)?].to_vec())
     }
 
     fn write(&mut self, r: &Region, values: &[T]) -> Result<()> {
+        if r.buf == Buf::Scratch {
+            if self.scratch.len() < r.end() {
+                self.scratch.resize(r.end(), None);
+            }
+            for (cell, v) in self.scratch[r.offset..r.end()].iter_mut().zip(values) {
+                *cell = Some(v.clone());
+            }
+            return Ok(());
+        }
         let range = self.range(r)?;
         self.mem[range].clone_from_slice(values);
         Ok(())

@@ -403,6 +403,55 @@ fn tree_broadcast_matches_the_reference_from_every_root() {
 }
 
 #[test]
+fn tree_reduce_matches_the_reference_at_every_root() {
+    for n in 1..=9 {
+        let layouts: [Vec<usize>; 2] = [(0..n).collect(), (0..n).map(|r| r / 3).collect()];
+        for hosts in &layouts {
+            for channels in [1, 2] {
+                let mut options =
+                    PlanOptions::with_channels(n, channels, 5).with_algorithm(Algorithm::Tree);
+                options.hosts = hosts.clone();
+                for root in 0..n {
+                    for count in [0usize, 1, 23] {
+                        for in_place in [false, true] {
+                            check(Collective::Reduce { root }, count, n, &options, in_place);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tree_reduce_uses_scratch_only_where_partial_sums_wait() {
+    // One rank per host: a binary tree, whose inner ranks add two children's partials
+    // (5 hosts is the multi-host process test's shape).
+    let count = 40;
+    for n in [5, 7] {
+        let options = PlanOptions::with_channels(n, 1, 8).with_algorithm(Algorithm::Tree);
+        for root in 0..n {
+            let tree = tree::RankTree::rooted_at(&(0..n).collect::<Vec<_>>(), root);
+            let mut with_scratch = 0;
+            for r in 0..n {
+                let p = plan(Collective::Reduce { root }, count, r, n, &options).unwrap();
+                let kids = tree.children[r].len();
+                let wanted = if r != root && kids > 1 { count } else { 0 };
+                assert_eq!(p.scratch_elems(0), wanted, "rank {r} with {kids} children");
+                with_scratch += usize::from(wanted > 0);
+                // Only the root writes its receive buffer.
+                let writes_output = p
+                    .steps()
+                    .flat_map(|s| s.regions())
+                    .any(|reg| reg.buf == Buf::Output);
+                assert_eq!(writes_output, r == root, "rank {r}");
+            }
+            assert!(with_scratch > 0, "{n} ranks, root {root}: no inner rank");
+        }
+    }
+}
+
+#[test]
 fn one_shot_all_reduce_matches_the_reference() {
     for channels in [1, 2] {
         for chunk in [1usize, 3, 1000] {

@@ -143,7 +143,7 @@ pub fn collective_named(name: &str, root: usize) -> Result<Collective> {
 fn positions(c: Collective, count: usize, rank: usize, r: &Region) -> std::ops::Range<usize> {
     let shift = match r.buf {
         Buf::Input => c.input_in_output(count, rank).unwrap_or(0),
-        Buf::Output => c.output_in_input(count, rank).unwrap_or(0),
+        Buf::Output | Buf::Scratch => c.output_in_input(count, rank).unwrap_or(0),
     };
     r.offset + shift..r.offset + shift + r.len
 }
