@@ -99,6 +99,35 @@ fn tree_table_reaches_every_rank() {
 }
 
 #[test]
+fn tree_reduce_table_completes_the_sum_at_the_root_only() {
+    let (n, root) = (6, 4);
+    let t = viz::step_table(Collective::Reduce { root }, Algorithm::Tree, n).unwrap();
+    assert_eq!(t.algorithm_label(), "tree");
+    assert_eq!(t.tree_parents.len(), 1);
+    assert_eq!(
+        t.tree_parents[0][root], None,
+        "the tree is rooted at the root"
+    );
+    let last = t.rounds.last().unwrap();
+    let want: Vec<i64> = (0..n as i64)
+        .map(|c| (1..=n as i64).map(|r| r * 10 + c).sum())
+        .collect();
+    let row: Vec<i64> = last.held[root].iter().map(|v| v.unwrap().value).collect();
+    assert_eq!(row, want);
+    // Everyone else holds at most a partial sum (inner ranks keep theirs in scratch).
+    for r in (0..n).filter(|&r| r != root) {
+        assert!(
+            last.held[r]
+                .iter()
+                .zip(&want)
+                .all(|(v, w)| v.is_none_or(|v| v.value < *w)),
+            "rank {r}: {:?}",
+            last.held[r]
+        );
+    }
+}
+
+#[test]
 fn simulated_ring_time_matches_the_alpha_beta_formula() {
     // One chunk per ring step: each of the 2(n-1) steps waits for the previous one's
     // message, so the time is 2(n-1)(α + (S/n)/β) exactly.

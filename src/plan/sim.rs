@@ -140,7 +140,9 @@ impl<T: Clone> Buffers<T> {
         Ok(base + r.offset..base + r.end())
     }
 
-    fn read(&self, r: &Region) -> Result<Vec<T>> {
+    /// The values of region `r`: an error if it lies outside its buffer, or is scratch
+    /// memory never written.
+    pub fn read(&self, r: &Region) -> Result<Vec<T>> {
         if r.buf == Buf::Scratch {
             return self
                 .scratch

@@ -115,7 +115,9 @@ pub struct StepTable {
     pub chunks: usize,
     /// Round 0 (start) to the end.
     pub rounds: Vec<Round>,
-    /// The double binary tree's parents (`[tree][rank]`), for tree algorithms.
+    /// For tree algorithms, the parents in the trees the plan used (`[tree][rank]`):
+    /// both trees of the double binary tree for all-reduce, the first re-rooted at the
+    /// root for broadcast and reduce.
     pub tree_parents: Vec<Vec<Option<usize>>>,
     /// How the starting values were chosen, for headings.
     pub values: String,
@@ -319,9 +321,10 @@ fn run(
             }
             for (rank, d) in rec.wrote.drain(..) {
                 let at = positions(collective, count, rank, &d);
-                let values = &bufs[rank][0].output()[d.offset..d.offset + d.len];
+                // Output, or the scratch memory a tree reduce keeps partial sums in.
+                let values = bufs[rank][0].read(&d).unwrap_or_default();
                 for (p, v) in at.zip(values) {
-                    rec.held[rank][p] = Some(*v);
+                    rec.held[rank][p] = Some(v);
                 }
             }
             let changed = (0..nranks)
@@ -350,12 +353,16 @@ fn run(
             r.index = i;
         }
     }
-    let tree_parents = if algorithm == Algorithm::Tree {
-        (0..2)
+    // The trees the plan used: all-reduce both of the double binary tree, broadcast and
+    // reduce the first one re-rooted at their root.
+    let tree_parents = match (algorithm, collective.root()) {
+        (Algorithm::Tree, None) => (0..2)
             .map(|t| plan::tree::RankTree::new(&hosts, t).parent)
-            .collect()
-    } else {
-        Vec::new()
+            .collect(),
+        (Algorithm::Tree, Some(root)) => {
+            vec![plan::tree::RankTree::rooted_at(&hosts, root).parent]
+        }
+        _ => Vec::new(),
     };
     Ok((
         StepTable {
@@ -446,11 +453,13 @@ pub fn chunk_name(i: usize) -> String {
 }
 
 impl StepTable {
-    /// The algorithm as shown: ring or tree for all-reduce and broadcast, which have
-    /// a choice; the one algorithm of the others is a ring.
+    /// The algorithm as shown: ring or tree for all-reduce, broadcast and reduce, which
+    /// have a choice; the one algorithm of the others is a ring.
     pub fn algorithm_label(&self) -> &'static str {
         match self.collective {
-            Collective::AllReduce | Collective::Broadcast { .. } => self.algorithm.name(),
+            Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. } => {
+                self.algorithm.name()
+            }
             _ => "ring",
         }
     }
@@ -472,6 +481,7 @@ impl StepTable {
             Collective::AllReduce if partial => "reduce-scatter",
             Collective::AllReduce => "all-gather",
             Collective::ReduceScatter => "reduce-scatter",
+            Collective::Reduce { .. } if tree => "reduce up the tree",
             Collective::Reduce { .. } => "reduce",
             Collective::AllGather => "all-gather",
             Collective::Broadcast { .. } if tree => "broadcast down the tree",
