@@ -12,12 +12,13 @@
 //!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
 //! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
-//! - [`plan`]: pure schedules (ring, pipelined chain, direct) as step lists, and the
+//! - [`plan`]: pure schedules (ring, pipelined chain, tree, direct) as step lists, and the
 //!   in-memory simulator ([`plan::sim`]) that runs them exactly.
 //! - [`transport`]: slot FIFOs between ranks, in `/dev/shm` or process memory, with a
 //!   futex doorbell per rank and peer liveness.
 //! - [`topo`]: which ranks share a host; this host's NUMA nodes and NICs; JSON dumps.
-//! - [`tune`]: the α-β cost model that picks ring or tree per call.
+//! - [`tune`]: the α-β cost model that picks the algorithm (ring, tree, one-shot) and the
+//!   protocol (LL, Simple) per call.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
 //! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
 //! - [`comm`]: the NCCL-shaped [`Communicator`].

@@ -5,7 +5,8 @@
 //! order, lanes progress independently (a ring channel is a lane; each peer of an
 //! all-to-all is a lane). Steps use NCCL's vocabulary of device primitives (`send`,
 //! `recv`, `recvReduceSend`, `recvReduceCopySend`, `recvCopySend`, …) and name the
-//! element ranges of the caller's two buffers they read and write ([`Region`]).
+//! element ranges they read and write ([`Region`]): of the caller's two buffers, or of
+//! scratch memory the call provides where partial results belong in neither.
 //!
 //! The same plan is consumed by the engine (real transports, real kernels), by the
 //! simulator in [`sim`] (in-memory vectors; what the tests use) and by the visualizer, so
