@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{collectives, ops, run_and_check};
+use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
 use ferroccl::transport::Protocol;
@@ -122,6 +123,39 @@ fn four_ranks_with_simple_forced() {
     let mut config = config(1);
     config.protocols = vec![Protocol::Simple];
     check_ranks_with(4, config);
+}
+
+/// Ranks that would plan differently (here: one allows only Simple) fail at
+/// initialisation with the setting named, instead of hanging in their first call.
+#[test]
+fn ranks_with_different_settings_fail_at_init() {
+    let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let id = &id;
+                s.spawn(move || {
+                    let mut c = config(1);
+                    if rank == 1 {
+                        c.protocols = vec![Protocol::Simple];
+                    }
+                    Communicator::init_rank_with(id, 2, rank, c)
+                        .map(|_| ())
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(
+            e.contains(
+                "rank 1's settings differ from rank 0's: FERROCCL_PROTO: Simple,LL vs Simple"
+            ),
+            "{e}"
+        );
+    }
 }
 
 #[test]
@@ -316,6 +350,7 @@ mod properties {
             chunk_slots in 1usize..=4,
             slot_kib in prop::sample::select(vec![1usize, 4, 16]),
             channels in 1usize..=3,
+            protocols_index in 0usize..3,
             in_place in any::<bool>(),
         ) {
             let root = root_seed % n;
@@ -335,6 +370,11 @@ mod properties {
                 channels,
                 slot_bytes: slot_kib << 10,
                 chunk_bytes: chunk_slots * (slot_kib << 10),
+                // Small LL slots, so LL calls span many slices too.
+                ll_payload_bytes: 512,
+                protocols: [Protocol::ALL.to_vec(), vec![Protocol::LL], vec![Protocol::Simple]]
+                    [protocols_index]
+                    .clone(),
                 ..CommConfig::default()
             };
             let comms = Communicator::init_all_with(n, config).unwrap();

@@ -23,7 +23,7 @@ use crate::transport::{Striping, TransportChoice};
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
-/// | `FERROCCL_LL_SLOT_SIZE` | `ll_slot_bytes` (data bytes per LL slot) | 4 KiB |
+/// | `FERROCCL_LL_SLOT_SIZE` | `ll_payload_bytes` (data bytes per LL slot) | 4 KiB |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_SOCKET_NTHREADS` (`NCCL_SOCKET_NTHREADS`) | `striping.threads` per TCP link | 1 |
 /// | `FERROCCL_NSOCKS_PERTHREAD` (`NCCL_NSOCKS_PERTHREAD`) | `striping.sockets_per_thread` | 1 |
@@ -52,8 +52,9 @@ pub struct CommConfig {
     pub protocols: Vec<Protocol>,
     /// Slots per LL FIFO.
     pub ll_slots: usize,
-    /// Data bytes per LL slot (a multiple of 64; the slot in memory is twice that).
-    pub ll_slot_bytes: usize,
+    /// Data bytes per LL slot (a multiple of 64, at most `slot_bytes`: over TCP, LL
+    /// slices travel in the Simple FIFOs; the slot in memory is twice that plus 64 B).
+    pub ll_payload_bytes: usize,
     /// How long a TCP peer may stay silent before its connection counts as broken
     /// (so a cut link is reported as such well before the collective's deadline).
     pub link_timeout: Duration,
@@ -77,7 +78,7 @@ impl Default for CommConfig {
             algorithms: ALL_ALGORITHMS.to_vec(),
             protocols: Protocol::ALL.to_vec(),
             ll_slots: 8,
-            ll_slot_bytes: 4096,
+            ll_payload_bytes: 4096,
             link_timeout: Duration::from_secs(30),
             striping: Striping::default(),
             bootstrap: BootstrapOptions::default(),
@@ -143,7 +144,7 @@ impl CommConfig {
             c.chunk_bytes = c.slots / 2 * c.slot_bytes;
         }
         if let Some(v) = env_number(&["FERROCCL_LL_SLOT_SIZE"])? {
-            c.ll_slot_bytes = v as usize;
+            c.ll_payload_bytes = v as usize;
         }
         for var in ["FERROCCL_ALGO", "NCCL_ALGO"] {
             if let Ok(list) = std::env::var(var) {
@@ -187,16 +188,68 @@ impl CommConfig {
     pub fn ll_geometry(&self) -> Option<Geometry> {
         self.protocols
             .contains(&Protocol::LL)
-            .then(|| Geometry::ll(self.ll_slots, self.ll_slot_bytes))
+            .then(|| Geometry::ll(self.ll_slots, self.ll_payload_bytes))
     }
 
     /// Bytes one step of a ring moves with `protocol`: `chunk_bytes`, and for LL at
-    /// most half an LL FIFO (the same rule as `chunk_bytes` itself).
+    /// most half of any FIFO its slices go through (LL FIFOs inside a host, Simple ones
+    /// over TCP).
     pub fn chunk_bytes_for(&self, protocol: Protocol) -> usize {
         match protocol {
             Protocol::Simple => self.chunk_bytes,
-            Protocol::LL => self.chunk_bytes.min(self.ll_slots / 2 * self.ll_slot_bytes),
+            Protocol::LL => self.chunk_bytes.min(half_fifo(
+                self.ll_slots.min(self.slots),
+                self.ll_payload_bytes,
+            )),
         }
+    }
+
+    /// The settings every rank of a communicator must share (they decide plans and
+    /// FIFOs), as `name=value` lines, for comparing across ranks at initialisation.
+    pub fn shared_settings(&self) -> String {
+        let names = |v: Vec<&str>| v.join(",");
+        [
+            (
+                "FERROCCL_ALGO",
+                names(self.algorithms.iter().map(|a| a.name()).collect()),
+            ),
+            (
+                "FERROCCL_PROTO",
+                names(self.protocols.iter().map(|p| p.name()).collect()),
+            ),
+            ("FERROCCL_TRANSPORT", format!("{:?}", self.transport)),
+            ("FERROCCL_NCHANNELS", self.channels.to_string()),
+            ("FERROCCL_SLOTS", self.slots.to_string()),
+            ("FERROCCL_SLOT_SIZE", self.slot_bytes.to_string()),
+            ("FERROCCL_CHUNK_SIZE", self.chunk_bytes.to_string()),
+            ("ll_slots", self.ll_slots.to_string()),
+            ("FERROCCL_LL_SLOT_SIZE", self.ll_payload_bytes.to_string()),
+        ]
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+    }
+
+    /// The first setting where two [`CommConfig::shared_settings`] texts differ, as
+    /// `NAME: ours vs theirs`; `None` when they agree.
+    pub fn settings_differ(ours: &str, theirs: &str) -> Option<String> {
+        if ours == theirs {
+            return None;
+        }
+        let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), theirs.lines().collect());
+        for i in 0..a.len().max(b.len()) {
+            let (x, y) = (
+                a.get(i).copied().unwrap_or(""),
+                b.get(i).copied().unwrap_or(""),
+            );
+            if x != y {
+                let name = x.split_once('=').map_or(x, |(n, _)| n);
+                let value = |t: &str| t.split_once('=').map_or(t, |(_, v)| v).to_string();
+                return Some(format!("{name}: {} vs {}", value(x), value(y)));
+            }
+        }
+        None
     }
 
     /// Checks that the settings make sense together.
@@ -204,10 +257,14 @@ impl CommConfig {
         self.geometry().validate()?;
         if let Some(ll) = self.ll_geometry() {
             ll.validate()?;
-            if self.ll_slot_bytes < 64 || !self.ll_slot_bytes.is_multiple_of(64) {
+            if self.ll_payload_bytes < 64
+                || !self.ll_payload_bytes.is_multiple_of(64)
+                || self.ll_payload_bytes > self.slot_bytes
+            {
                 return Err(Error::invalid(format!(
-                    "LL slot size {} is not a multiple of 64 bytes",
-                    self.ll_slot_bytes
+                    "LL slot size {} is not a multiple of 64 bytes between 64 B and the \
+                     slot size {} (LL slices also travel in Simple slots, over TCP)",
+                    self.ll_payload_bytes, self.slot_bytes
                 )));
             }
         }
@@ -223,7 +280,7 @@ impl CommConfig {
                 self.channels
             )));
         }
-        let max_chunk = self.slots / 2 * self.slot_bytes;
+        let max_chunk = half_fifo(self.slots, self.slot_bytes);
         if self.chunk_bytes < 8 || self.chunk_bytes > max_chunk {
             return Err(Error::invalid(format!(
                 "chunk of {} bytes: must be between 8 bytes and half a FIFO ({max_chunk} \
@@ -236,6 +293,12 @@ impl CommConfig {
         }
         Ok(())
     }
+}
+
+/// Half a FIFO of `slots` slots of `bytes`: the most one ring step may move, so that every
+/// rank's first send fits in its FIFO and rings cannot deadlock.
+fn half_fifo(slots: usize, bytes: usize) -> usize {
+    slots / 2 * bytes
 }
 
 /// Every algorithm ferroccl has.
@@ -361,13 +424,28 @@ mod tests {
     }
 
     #[test]
+    fn differing_settings_are_named() {
+        let a = CommConfig::default();
+        assert_eq!(
+            CommConfig::settings_differ(&a.shared_settings(), &a.shared_settings()),
+            None
+        );
+        let b = CommConfig {
+            protocols: vec![Protocol::Simple],
+            ..a.clone()
+        };
+        let diff = CommConfig::settings_differ(&a.shared_settings(), &b.shared_settings());
+        assert_eq!(diff.as_deref(), Some("FERROCCL_PROTO: Simple,LL vs Simple"));
+    }
+
+    #[test]
     fn ll_is_checked_and_bounds_its_chunks() {
         let c = CommConfig::default();
         let ll = c.ll_geometry().expect("LL allowed by default");
-        assert_eq!(ll.payload(), c.ll_slot_bytes);
+        assert_eq!(ll.payload(), c.ll_payload_bytes);
         assert_eq!(
             c.chunk_bytes_for(Protocol::LL),
-            c.ll_slots / 2 * c.ll_slot_bytes
+            c.ll_slots / 2 * c.ll_payload_bytes
         );
         assert_eq!(c.chunk_bytes_for(Protocol::Simple), c.chunk_bytes);
         let simple_only = CommConfig {
@@ -376,7 +454,7 @@ mod tests {
         };
         assert_eq!(simple_only.ll_geometry(), None);
         let odd = CommConfig {
-            ll_slot_bytes: 100,
+            ll_payload_bytes: 100,
             ..c
         };
         assert!(
@@ -385,5 +463,24 @@ mod tests {
                 .to_string()
                 .contains("LL slot size 100")
         );
+        // Over TCP LL slices go into Simple slots: they must fit, and the LL chunk must
+        // fit in half of those FIFOs too.
+        let small_slots = CommConfig {
+            slot_bytes: 1024,
+            chunk_bytes: 2048,
+            ..CommConfig::default()
+        };
+        let err = small_slots.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("LL slot size 4096") && err.contains("1024"),
+            "{err}"
+        );
+        let few_slots = CommConfig {
+            slots: 2,
+            chunk_bytes: 128 << 10,
+            ..CommConfig::default()
+        };
+        few_slots.validate().unwrap();
+        assert_eq!(few_slots.chunk_bytes_for(Protocol::LL), 4096);
     }
 }

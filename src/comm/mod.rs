@@ -62,9 +62,18 @@ struct State {
     conns: Connections,
     /// Sequence number of the next call.
     seq: u64,
-    /// The plan of the last single-operation call and the choice it was made with:
-    /// loops that repeat one call (training steps, benchmarks) plan once.
-    last_plan: Option<(PlanKey, Plan, Choice)>,
+    /// The plan of the last single-operation call: loops that repeat one call
+    /// (training steps, benchmarks) plan once.
+    last_plan: Option<CachedPlan>,
+}
+
+/// A single-operation plan with what it was made from and what it needs.
+struct CachedPlan {
+    key: PlanKey,
+    plan: Plan,
+    choice: Choice,
+    /// [`Plan::scratch_elems`] of its operation.
+    scratch_elems: usize,
 }
 
 /// What a single-operation plan depends on besides the communicator.
@@ -168,11 +177,36 @@ impl Communicator {
         config.validate()?;
         let (rank, nranks) = (boot.rank(), boot.world_size());
         // Everyone plans with rank 0's cost model, so that every rank picks the same
-        // algorithm for the same call even if their environments differ.
-        let mine = CostModel::from_env()?;
-        let models = boot.all_gather(mine.to_text().as_bytes())?;
-        let model = CostModel::parse("rank 0's cost model", &String::from_utf8_lossy(&models[0]))?;
-        let hosts = crate::topo::host_labels(boot.peers());
+        // algorithm for the same call even if their environments differ; the settings
+        // that shape plans and FIFOs must be the same everywhere, or calls would hang.
+        let mine = format!(
+            "{}\n{}",
+            CostModel::from_env()?.to_text(),
+            config.shared_settings()
+        );
+        let all = boot.all_gather(mine.as_bytes())?;
+        let texts: Vec<String> = all
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect();
+        let (model, settings) = texts[0].split_once('\n').unwrap_or((&texts[0], ""));
+        let model = CostModel::parse("rank 0's cost model", model)?;
+        for (r, text) in texts.iter().enumerate() {
+            let theirs = text.split_once('\n').map_or("", |(_, s)| s);
+            if let Some(diff) = CommConfig::settings_differ(settings, theirs) {
+                return Err(Error::invalid(format!(
+                    "rank {r}'s settings differ from rank 0's: {diff}; every rank must use \
+                     the same"
+                )));
+            }
+        }
+        // With TCP forced between every pair, every rank is a host of its own, for the
+        // plans' rings and trees as for the cost model.
+        let hosts = if config.transport == TransportChoice::Tcp {
+            (0..nranks).collect()
+        } else {
+            crate::topo::host_labels(boot.peers())
+        };
         let rings = PlanOptions::for_hosts(&hosts, config.channels, 1).rings;
         crate::topo::dump_from_env(rank, boot.peers(), &rings)?;
         let conns = Connections::establish(
@@ -188,7 +222,7 @@ impl Communicator {
             },
         )?;
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
-        let plan_options = [Protocol::Simple, Protocol::LL].map(|protocol| {
+        let plan_options = Protocol::ALL.map(|protocol| {
             [1usize, 2, 4, 8].map(|elem| PlanOptions {
                 chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
                 rings: rings.clone(),
@@ -196,22 +230,13 @@ impl Communicator {
                 hosts: hosts.clone(),
             })
         });
-        // For the model, TCP forced between every pair makes every rank a host.
-        let shape = if config.transport == TransportChoice::Tcp {
-            Shape {
-                ranks: nranks,
-                hosts: nranks,
-                ranks_per_host: 1,
-            }
-        } else {
-            Shape {
-                ranks: nranks,
-                hosts: host_count,
-                ranks_per_host: (0..host_count)
-                    .map(|h| hosts.iter().filter(|&&x| x == h).count())
-                    .max()
-                    .unwrap_or(1),
-            }
+        let shape = Shape {
+            ranks: nranks,
+            hosts: host_count,
+            ranks_per_host: (0..host_count)
+                .map(|h| hosts.iter().filter(|&&x| x == h).count())
+                .max()
+                .unwrap_or(1),
         };
         Ok(Communicator {
             rank,
@@ -747,23 +772,6 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::run`].
     unsafe fn run_in_turn(&self, raws: &[RawCall]) -> Result<()> {
-        let mut ops = Vec::with_capacity(raws.len());
-        for raw in raws {
-            let reducing = raw.collective.is_reducing();
-            let op = if reducing { raw.op } else { ReduceOp::Sum };
-            let plain = match op {
-                ReduceOp::PreMulSum(_) => ReduceOp::Sum,
-                other => other,
-            };
-            ops.push(OpBuffers {
-                input: raw.input,
-                output: raw.output,
-                kernel: Kernel::new(raw.dtype, op, self.nranks)?,
-                plain: Kernel::new(raw.dtype, plain, self.nranks)?,
-                reducing,
-                scratch: std::ptr::null_mut(),
-            });
-        }
         let mut st = self.lock();
         if let Some(why) = self.failure() {
             return Err(Error::Aborted {
@@ -771,54 +779,92 @@ impl Communicator {
                 reason: why.clone(),
             });
         }
-        let (plan, name, choice) = match raws {
+        // Each operation gets its own algorithm and protocol, from itself alone: every
+        // rank then agrees on each, whatever else it groups with it.
+        let (fused, name, choices, scratch_elems) = match raws {
             [raw] => {
                 let key = (raw.collective, raw.count, raw.dtype.size());
-                if st.last_plan.as_ref().is_none_or(|(k, ..)| *k != key) {
+                if st.last_plan.as_ref().is_none_or(|c| c.key != key) {
                     let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
                     let plan = self.plan_with(raw, choice)?;
-                    st.last_plan = Some((key, plan, choice));
+                    tracing::info!(
+                        "rank {}: {} of {} B uses {} ({} channels)",
+                        self.rank,
+                        raw.collective.name(),
+                        raw.count * raw.dtype.size(),
+                        choice.name(),
+                        self.config.channels
+                    );
+                    st.last_plan = Some(CachedPlan {
+                        key,
+                        scratch_elems: plan.scratch_elems(0),
+                        plan,
+                        choice,
+                    });
                 }
-                let choice = st.last_plan.as_ref().expect("planned above").2;
-                (None, raw.collective.name(), choice)
+                let cached = st.last_plan.as_ref().expect("planned above");
+                (
+                    None,
+                    raw.collective.name(),
+                    vec![cached.choice],
+                    vec![cached.scratch_elems],
+                )
             }
             _ => {
-                // Each operation keeps its algorithm; the group moves every slice the
-                // same way, LL only if every operation would use it alone.
                 let choices: Vec<Choice> = raws
                     .iter()
                     .map(|r| self.choice_for(r.collective, r.count * r.dtype.size()))
                     .collect();
-                let protocol = if choices.iter().all(|c| c.protocol == Protocol::LL) {
-                    Protocol::LL
-                } else {
-                    Protocol::Simple
-                };
                 let plans = raws
                     .iter()
                     .zip(&choices)
-                    .map(|(raw, c)| {
-                        self.plan_with(
-                            raw,
-                            Choice {
-                                algorithm: c.algorithm,
-                                protocol,
-                            },
-                        )
-                    })
+                    .map(|(raw, &c)| self.plan_with(raw, c))
                     .collect::<Result<Vec<_>>>()?;
-                let choice = Choice {
-                    algorithm: choices.first().map_or(Algorithm::Ring, |c| c.algorithm),
-                    protocol,
-                };
-                (Some(Plan::fuse(plans)?), "group", choice)
+                let fused = Plan::fuse(plans)?;
+                let scratch_elems = (0..raws.len()).map(|i| fused.scratch_elems(i)).collect();
+                (Some(fused), "group", choices, scratch_elems)
             }
         };
+        // The scratch memory the plan asks for, 8-byte aligned for every element type;
+        // it lives until the call returns.
+        let mut scratch: Vec<Vec<u64>> = Vec::new();
+        let mut ops = Vec::with_capacity(raws.len());
+        for ((raw, choice), elems) in raws.iter().zip(&choices).zip(scratch_elems) {
+            let reducing = raw.collective.is_reducing();
+            let op = if reducing { raw.op } else { ReduceOp::Sum };
+            let plain = match op {
+                ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+                other => other,
+            };
+            let mut scratch_ptr = std::ptr::null_mut();
+            if elems > 0 {
+                let mut memory = vec![0u64; (elems * raw.dtype.size()).div_ceil(8)];
+                scratch_ptr = memory.as_mut_ptr() as *mut u8;
+                scratch.push(memory);
+            }
+            ops.push(OpBuffers {
+                input: raw.input,
+                output: raw.output,
+                kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+                plain: Kernel::new(raw.dtype, plain, self.nranks)?,
+                reducing,
+                scratch: scratch_ptr,
+                protocol: choice.protocol,
+            });
+        }
         let call = CallInfo {
             op: name,
             seq: st.seq,
             deadline: Instant::now() + self.config.timeout,
-            protocol: choice.protocol,
+        };
+        // A group shows its operations' choice when they all made the same one.
+        let same = |f: fn(&Choice) -> &'static str| -> &'static str {
+            let first = f(&choices[0]);
+            if choices.iter().all(|c| f(c) == first) {
+                first
+            } else {
+                "mixed"
+            }
         };
         let _span = tracing::trace_span!(
             target: crate::trace::TRACE_TARGET,
@@ -827,27 +873,16 @@ impl Communicator {
             op = name,
             seq = st.seq,
             bytes = raws.iter().map(|r| r.count * r.dtype.size()).sum::<usize>(),
-            algorithm = choice.algorithm.name(),
-            protocol = choice.protocol.name(),
+            algorithm = same(|c| c.algorithm.name()),
+            protocol = same(|c| c.protocol.name()),
         )
         .entered();
         st.seq += 1;
         let st = &mut *st;
-        let plan = match &plan {
+        let plan = match &fused {
             Some(fused) => fused,
-            None => &st.last_plan.as_ref().expect("planned above").1,
+            None => &st.last_plan.as_ref().expect("planned above").plan,
         };
-        // The scratch memory the plan asks for, 8-byte aligned for every element type;
-        // it lives until the call returns.
-        let mut scratch: Vec<Vec<u64>> = Vec::new();
-        for (i, (op, raw)) in ops.iter_mut().zip(raws).enumerate() {
-            let bytes = plan.scratch_elems(i) * raw.dtype.size();
-            if bytes > 0 {
-                let mut memory = vec![0u64; bytes.div_ceil(8)];
-                op.scratch = memory.as_mut_ptr() as *mut u8;
-                scratch.push(memory);
-            }
-        }
         // SAFETY: the buffers are valid as the caller promised, and the scratch memory
         // until `scratch` drops; the plan's regions stay inside them because the plan
         // was made from the same counts.
@@ -889,17 +924,9 @@ impl Communicator {
     }
 
     fn plan_with(&self, raw: &RawCall, choice: Choice) -> Result<Plan> {
-        let protocol_index = usize::from(choice.protocol == Protocol::LL);
+        let protocol_index = choice.protocol.index();
         let options =
             &self.plan_options[protocol_index][raw.dtype.size().trailing_zeros() as usize];
-        tracing::info!(
-            "rank {}: {} of {} B uses {} ({} channels)",
-            self.rank,
-            raw.collective.name(),
-            raw.count * raw.dtype.size(),
-            choice.name(),
-            self.config.channels
-        );
         if choice.algorithm == options.algorithm {
             return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
         }

@@ -92,6 +92,49 @@ fn group_send_recv_in_both_directions_cannot_deadlock() {
 }
 
 #[test]
+fn grouped_and_lone_sends_and_receives_agree_on_each_protocol() {
+    // Rank 0 groups a small send (LL on its own) with a large receive (Simple); its
+    // peers make the matching calls alone. Each operation keeps its own protocol, so
+    // both ends of every FIFO agree.
+    let cs = comms(3);
+    let (small, large) = (2usize, 100_000usize);
+    assert_eq!(
+        cs[0]
+            .choice_for(Collective::Send { peer: 1 }, small * 4)
+            .protocol,
+        Protocol::LL
+    );
+    assert_eq!(
+        cs[0]
+            .choice_for(Collective::Recv { peer: 2 }, large * 4)
+            .protocol,
+        Protocol::Simple
+    );
+    let out = on_all(&cs, |c| match c.rank() {
+        0 => {
+            let (send, mut recv) = ([7u32; 2], vec![0u32; large]);
+            let mut g = c.group();
+            g.send(&send, 1).unwrap();
+            g.recv(&mut recv, 2).unwrap();
+            g.end().unwrap();
+            recv
+        }
+        1 => {
+            let mut recv = vec![0u32; small];
+            c.recv(&mut recv, 0).unwrap();
+            recv
+        }
+        _ => {
+            let send: Vec<u32> = (0..large as u32).collect();
+            c.send(&send, 0).unwrap();
+            send
+        }
+    });
+    assert_eq!(out[1], [7, 7]);
+    assert_eq!(out[0], out[2]);
+}
+
+#[test]
 fn split_makes_independent_sub_communicators() {
     let cs = comms(4);
     let out = on_all(&cs, |c| {

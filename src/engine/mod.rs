@@ -52,6 +52,10 @@ pub struct OpBuffers {
     /// Start of the call's scratch memory, [`Plan::scratch_elems`] elements (null when
     /// the plan needs none).
     pub scratch: *mut u8,
+    /// How this operation's slices cross the FIFOs. Every rank chooses it from the
+    /// operation alone (a send and its matching receive choose alike), so both ends of
+    /// every FIFO agree even when ranks group different operations together.
+    pub protocol: Protocol,
     /// Element type and reduction.
     pub kernel: Kernel,
     /// The same reduction without its pre-operation, for operands that are partial
@@ -74,8 +78,6 @@ pub struct CallInfo {
     pub seq: u64,
     /// When it must be done by.
     pub deadline: Instant,
-    /// How its slices cross the FIFOs (every rank of the call uses the same).
-    pub protocol: Protocol,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -152,7 +154,7 @@ pub unsafe fn execute(
     let mut last_process_check = start;
     loop {
         // SAFETY: forwarded from this function's contract.
-        let progressed = unsafe { sweep(plan, call.protocol, &mut lanes, ops, conns, &trace)? };
+        let progressed = unsafe { sweep(plan, &mut lanes, ops, conns, &trace)? };
         if plan
             .lanes
             .iter()
@@ -192,8 +194,7 @@ pub unsafe fn execute(
         }
         let failure = peer_failure(conns, &waiting_on, check_process);
         // SAFETY: as above.
-        let progressed = match unsafe { sweep(plan, call.protocol, &mut lanes, ops, conns, &trace) }
-        {
+        let progressed = match unsafe { sweep(plan, &mut lanes, ops, conns, &trace) } {
             Ok(p) => p,
             Err(e) => {
                 conns.bell().cancel_sleep();
@@ -309,7 +310,6 @@ unsafe fn addr(ops: &[OpBuffers], region: &Region, skip: usize) -> *mut u8 {
 /// As [`execute`].
 unsafe fn sweep(
     plan: &Plan,
-    protocol: Protocol,
     lanes: &mut [LaneState],
     ops: &[OpBuffers],
     conns: &mut Connections,
@@ -322,7 +322,6 @@ unsafe fn sweep(
             advance(
                 &lane.steps,
                 lane.channel,
-                protocol,
                 &mut lanes[li],
                 ops,
                 conns,
@@ -340,7 +339,6 @@ unsafe fn sweep(
 unsafe fn advance(
     steps: &[Step],
     channel: usize,
-    protocol: Protocol,
     st: &mut LaneState,
     ops: &[OpBuffers],
     conns: &mut Connections,
@@ -375,8 +373,8 @@ unsafe fn advance(
         };
         let op = ops[op_index];
         let elem = op.kernel.dtype().size();
-        let per_slice = conns.slice_bytes(protocol) / elem;
-        let (send, recv) = conns.ends(channel, protocol, to, from);
+        let per_slice = conns.slice_bytes(op.protocol) / elem;
+        let (send, recv) = conns.ends(channel, op.protocol, to, from);
         let (mut send, mut recv) = match (
             to.is_some() == send.is_some(),
             from.is_some() == recv.is_some(),

@@ -8,7 +8,7 @@
 //!
 //! The engine reads and writes slots in place: a receiver reduces straight out of the
 //! slot the peer wrote into its destination, or into the slot of its own outgoing FIFO,
-//! with no staging copy. Shared-memory and in-process FIFOs are shared by both ranks;
+//! with no staging copy (LL FIFOs excepted, below). Shared-memory and in-process FIFOs are shared by both ranks;
 //! a network transport keeps a FIFO on each side and a proxy moves slots across.
 //!
 //! Layout (offsets in bytes): magic at 0, geometry at 8, `head` at 64, `tail` at 128,
@@ -29,6 +29,14 @@
 //!   Half the bytes are flags, so LL is for small messages. The engine still reads and
 //!   writes whole slots: the ends unpack into (and pack from) private staging slots.
 //!   `head` is not used; `tail` still tells the sender which slots are free.
+//!
+//!   Flags are 32-bit, so a line left unwritten for 2³² uses would carry the current
+//!   flag again (and a line never written carries 0, the flag of use 2³² − 1). As in
+//!   NCCL (`NCCL_LL_CLEAN_MASK`), the first use of each slot in every 2³¹ uses rewrites
+//!   all of its lines, so every line's flag is always less than 2³² uses old.
+//!
+//! Slot counts are powers of two, so `counter % slots` stays in step when the 32-bit
+//! counters wrap.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -59,6 +67,14 @@ impl Protocol {
     /// Every protocol, in the order the cost model prefers on ties.
     pub const ALL: [Protocol; 2] = [Protocol::Simple, Protocol::LL];
 
+    /// Its position in [`Protocol::ALL`], for tables kept per protocol.
+    pub fn index(&self) -> usize {
+        match self {
+            Protocol::Simple => 0,
+            Protocol::LL => 1,
+        }
+    }
+
     /// NCCL's name for it (`Simple`, `LL`).
     pub fn name(&self) -> &'static str {
         match self {
@@ -72,6 +88,9 @@ impl Protocol {
 const LL_LINE: usize = 8;
 /// Data bytes of one LL line.
 const LL_DATA: usize = 4;
+/// Every this many uses, each slot's first use rewrites all its lines (see the module
+/// documentation).
+const LL_CLEAN_PERIOD: u32 = 1 << 31;
 
 /// The shape of a FIFO.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,8 +104,8 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// An LL FIFO of `slots` slots carrying up to `payload` bytes each (a multiple of
-    /// 64).
+    /// An LL FIFO of `slots` slots carrying up to `payload` bytes each (`payload` should
+    /// be a multiple of 64: [`Geometry::payload`] rounds down to one).
     pub fn ll(slots: usize, payload: usize) -> Self {
         let lines = 1 + payload.div_ceil(LL_DATA);
         Geometry {
@@ -107,9 +126,10 @@ impl Geometry {
 
     /// Checks the shape.
     pub fn validate(&self) -> Result<()> {
-        if !(2..=MAX_SLOTS).contains(&self.slots) {
+        if !(2..=MAX_SLOTS).contains(&self.slots) || !self.slots.is_power_of_two() {
             return Err(Error::invalid(format!(
-                "FIFO slots {} is not in 2..={MAX_SLOTS}",
+                "FIFO slots {} is not a power of two in 2..={MAX_SLOTS} (slots are found \
+                 by their 32-bit counter modulo the slot count, which must divide 2^32)",
                 self.slots
             )));
         }
@@ -290,7 +310,7 @@ pub fn send_end(seg: Segment, geometry: Geometry, name: &str) -> Result<SendEnd>
 
 impl SendEnd {
     /// Most bytes one slot carries.
-    pub fn slot_bytes(&self) -> usize {
+    pub fn payload(&self) -> usize {
         self.shared.geometry.payload()
     }
 
@@ -332,7 +352,11 @@ impl SendEnd {
 
     /// Publishes the reserved slot holding `len` bytes.
     pub fn commit(&mut self, len: usize) {
-        debug_assert!(len <= self.slot_bytes());
+        assert!(
+            len <= self.payload(),
+            "{len} bytes committed to a slot of {}",
+            self.payload()
+        );
         if self.staging.is_some() {
             self.pack(len);
             self.head = self.head.wrapping_add(1);
@@ -353,7 +377,7 @@ impl SendEnd {
     /// makes it rare for the receiver to look too early.
     fn pack(&mut self, len: usize) {
         let head = self.head;
-        debug_assert!(len <= self.shared.geometry.payload());
+        let slots = self.shared.geometry.slots as u32;
         let flag = u64::from(ll_flag(head)) << 32;
         // Whole words: bytes past `len` in the last one are whatever the staging slot
         // held (it holds `payload` bytes, a multiple of 4); the receiver ignores them.
@@ -367,13 +391,19 @@ impl SendEnd {
             let w = u32::from_le_bytes(word.try_into().expect("4 bytes"));
             line.store(flag | u64::from(w), Ordering::Relaxed);
         }
+        if head % LL_CLEAN_PERIOD < slots {
+            // This slot's first use in this period: flag every other line too.
+            for line in &lines[1 + words..] {
+                line.store(flag, Ordering::Relaxed);
+            }
+        }
         lines[0].store(flag | len as u64, Ordering::Relaxed);
     }
 }
 
 impl RecvEnd {
     /// Most bytes one slot carries.
-    pub fn slot_bytes(&self) -> usize {
+    pub fn payload(&self) -> usize {
         self.shared.geometry.payload()
     }
 
@@ -399,6 +429,10 @@ impl RecvEnd {
     pub fn try_peek_ahead(&mut self, ahead: u32) -> Option<(*const u8, usize)> {
         let wanted = self.tail.wrapping_add(ahead);
         if self.staging.is_some() {
+            // Beyond the FIFO's length the staging slot may still be the engine's.
+            if ahead as usize >= self.shared.geometry.slots {
+                return None;
+            }
             return self.unpack(wanted);
         }
         if self.head_seen.wrapping_sub(self.tail) <= ahead {
@@ -434,16 +468,13 @@ impl RecvEnd {
         let dst = staging.slot(geometry, counter);
         // SAFETY: `words * 4 <= payload`, inside this end's own staging slot.
         let out = unsafe { std::slice::from_raw_parts_mut(dst, words * LL_DATA) };
-        // Copy every line, then look at the flags once: a line not yet written makes
-        // the whole slot wait for the next look.
-        let mut stale = 0u64;
+        // A line not yet written makes the whole slot wait for the next look.
         for (line, word) in lines[1..=words].iter().zip(out.chunks_exact_mut(LL_DATA)) {
             let v = line.load(Ordering::Relaxed);
-            stale |= (v >> 32) ^ flag;
+            if v >> 32 != flag {
+                return None;
+            }
             word.copy_from_slice(&(v as u32).to_le_bytes());
-        }
-        if stale != 0 {
-            return None;
         }
         staging.holds[slot] = Some((counter, len));
         Some((dst as *const u8, len))
@@ -486,7 +517,7 @@ mod tests {
             slot_bytes: 64,
             protocol: Protocol::Simple,
         };
-        for g in [simple, Geometry::ll(4, 64), Geometry::ll(3, 128)] {
+        for g in [simple, Geometry::ll(4, 64), Geometry::ll(2, 128)] {
             assert!(g.validate().is_ok() && g.payload() >= 64, "{g:?}");
             let (mut tx, mut rx) = pair(g, "order");
             let producer = std::thread::spawn(move || {
@@ -548,14 +579,81 @@ mod tests {
         }
     }
 
+    /// Both ends as if `counter` slots had already gone through.
+    fn start_at(tx: &mut SendEnd, rx: &mut RecvEnd, counter: u32) {
+        tx.head = counter;
+        tx.tail_seen = counter;
+        rx.tail = counter;
+        rx.head_seen = counter;
+        tx.shared.head().store(counter, Ordering::Relaxed);
+        rx.shared.tail().store(counter, Ordering::Relaxed);
+    }
+
     #[test]
-    fn geometry_is_checked_on_both_ends() {
-        let bad = Geometry {
-            slots: 1,
+    fn counters_wrap_for_both_protocols() {
+        let simple = Geometry {
+            slots: 4,
             slot_bytes: 64,
             protocol: Protocol::Simple,
         };
-        assert!(bad.validate().is_err());
+        for g in [simple, Geometry::ll(4, 64)] {
+            let (mut tx, mut rx) = pair(g, "wrap");
+            let start = u32::MAX - 9;
+            start_at(&mut tx, &mut rx, start);
+            // Two slots in flight at a time, across the wrap.
+            for i in 0..24u32 {
+                for k in [i, i + 1000] {
+                    let m = message(k);
+                    let slot = tx.try_reserve().expect("a free slot");
+                    // SAFETY: the reserved slot holds at least 64 bytes until commit.
+                    unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
+                    tx.commit(m.len());
+                }
+                for k in [i, i + 1000] {
+                    let (p, len) = rx.try_peek().expect("a published slot");
+                    // SAFETY: `len` published bytes, readable until release.
+                    let got = unsafe { std::slice::from_raw_parts(p, len) };
+                    assert_eq!(got, message(k), "{:?} at counter {}", g.protocol, rx.tail);
+                    rx.release();
+                }
+            }
+            assert!(rx.try_peek().is_none());
+        }
+    }
+
+    #[test]
+    fn ll_slots_are_rewritten_whole_once_per_clean_period() {
+        let g = Geometry::ll(2, 64);
+        let (mut tx, mut rx) = pair(g, "ll-clean");
+        // Counter 2^31 is slot 0's first use of a period; 2^31 + 2 is not.
+        start_at(&mut tx, &mut rx, LL_CLEAN_PERIOD);
+        for expect_all in [true, true, false] {
+            let counter = tx.head;
+            tx.try_reserve().unwrap();
+            tx.commit(4);
+            let flag = u64::from(ll_flag(counter));
+            let all = tx
+                .shared
+                .lines(counter)
+                .iter()
+                .all(|l| l.load(Ordering::Relaxed) >> 32 == flag);
+            assert_eq!(all, expect_all, "counter {counter:#x}");
+            rx.try_peek().unwrap();
+            rx.release();
+        }
+    }
+
+    #[test]
+    fn geometry_is_checked_on_both_ends() {
+        for slots in [1, 3, 6, MAX_SLOTS] {
+            let bad = Geometry {
+                slots,
+                slot_bytes: 64,
+                protocol: Protocol::Simple,
+            };
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains("power of two"), "{slots}: {err}");
+        }
         let g = Geometry {
             slots: 2,
             slot_bytes: 128,

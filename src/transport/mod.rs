@@ -2,10 +2,10 @@
 //!
 //! Every transport presents the same thing to the engine: one [`fifo`] per (channel,
 //! sender, receiver), with flow control by slot counters, and one [`bell`] per rank to
-//! sleep on. Between ranks of one host there is a second, small FIFO per (channel,
-//! sender, receiver) in the [LL](Protocol::LL) format, for calls the cost model gives
-//! to LL; over TCP every call uses the Simple FIFOs (the proxies and the socket set the
-//! pace there, not the FIFO format). What differs is where the memory lives:
+//! sleep on. When LL is allowed, ranks of one host have a second, small FIFO per
+//! (channel, sender, receiver) in the [LL](Protocol::LL) format, for calls the cost
+//! model gives to LL; over TCP every call uses the Simple FIFOs (the proxies and the
+//! socket set the pace there, not the FIFO format). What differs is where the memory lives:
 //!
 //! | transport | used between | memory |
 //! | --- | --- | --- |
@@ -91,8 +91,8 @@ pub struct Connections {
     rank: usize,
     nranks: usize,
     channels: usize,
-    /// `[format][channel index][peer]`: format 0 Simple, 1 LL (see [`format_index`]);
-    /// the last channel index is the point-to-point channel.
+    /// `[protocol index][channel index][peer]` (see [`Protocol::index`]); the last
+    /// channel index is the point-to-point channel.
     sends: Vec<Vec<Vec<Option<SendEnd>>>>,
     recvs: Vec<Vec<Vec<Option<RecvEnd>>>>,
     bell: Bell,
@@ -136,14 +136,6 @@ fn table<T>(rows: usize, cols: usize) -> Vec<Vec<Option<T>>> {
     (0..rows)
         .map(|_| (0..cols).map(|_| None).collect())
         .collect()
-}
-
-/// Where the FIFOs of `protocol` sit in [`Connections`]' tables.
-fn format_index(protocol: Protocol) -> usize {
-    match protocol {
-        Protocol::Simple => 0,
-        Protocol::LL => 1,
-    }
 }
 
 /// How two ranks are connected.
@@ -284,7 +276,7 @@ impl Connections {
             (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
         for &g in &formats {
-            for (ci, row) in recvs[format_index(g.protocol)].iter_mut().enumerate() {
+            for (ci, row) in recvs[g.protocol.index()].iter_mut().enumerate() {
                 for from in neighbours(ci) {
                     if path(from, rank) == Path::Tcp {
                         continue;
@@ -379,7 +371,7 @@ impl Connections {
             });
         }
         for &g in &formats {
-            for (ci, row) in sends[format_index(g.protocol)].iter_mut().enumerate() {
+            for (ci, row) in sends[g.protocol.index()].iter_mut().enumerate() {
                 for to in neighbours(ci) {
                     if path(rank, to) == Path::Tcp {
                         continue;
@@ -411,11 +403,15 @@ impl Connections {
             striping.sockets_per_thread,
             config.geometry.slots,
             config.geometry.slot_bytes,
-            config.ll.map_or("off".to_string(), |g| format!(
-                "of {} x {} B (between ranks of one host)",
-                g.slots,
-                g.payload()
-            )),
+            match config.ll {
+                Some(g) if nranks == 1 || via(Path::Tcp).len() < nranks - 1 => format!(
+                    "of {} x {} B (between ranks of one host)",
+                    g.slots,
+                    g.payload()
+                ),
+                Some(_) => "unused (every peer is over TCP)".to_string(),
+                None => "off".to_string(),
+            },
         );
         Ok(Connections {
             rank,
@@ -475,7 +471,7 @@ impl Connections {
 
     /// The sending end towards `to` on `channel`, and the receiving end from `from`
     /// on the same channel (either may be absent), borrowed together: the FIFOs of
-    /// `protocol` where the pair has them, the Simple ones otherwise (LL over TCP).
+    /// `protocol`, except that peers over TCP have only Simple ones.
     pub fn ends(
         &mut self,
         channel: usize,
@@ -486,9 +482,11 @@ impl Connections {
         let Some(ci) = self.channel_index(channel) else {
             return (None, None);
         };
-        let f = format_index(protocol);
-        let send_format = |p: usize| if self.sends[f][ci][p].is_some() { f } else { 0 };
-        let recv_format = |p: usize| if self.recvs[f][ci][p].is_some() { f } else { 0 };
+        // LL calls to a peer over TCP use the Simple FIFOs of its link.
+        let f = protocol.index();
+        let over_tcp = |p: usize| self.links[ci][p].is_some();
+        let send_format = |p: usize| if over_tcp(p) { 0 } else { f };
+        let recv_format = |p: usize| if over_tcp(p) { 0 } else { f };
         let to = to.filter(|&p| p < self.nranks).map(|p| (send_format(p), p));
         let from = from
             .filter(|&p| p < self.nranks)
