@@ -10,6 +10,14 @@
 //! once, and stopping a rank stops its children. When a rank fails, the others are
 //! stopped (SIGTERM, then SIGKILL after the grace period) and the launcher's exit code is
 //! the failed rank's status (128 + signal for a signal).
+//!
+//! When every local rank can have a CPU of its own, each is bound to one ([`CpuBind`],
+//! like `mpirun --bind-to core`), and the threads a rank starts (TCP proxies, progress
+//! thread) share its CPU. That matters on machines where handing freshly written data to
+//! a thread on another core is slow: on the project's 2-core VM, 2 ranks all-reducing
+//! 64 MiB over loopback TCP move 2.2–3.0 GB/s bound and 1.7–2.3 GB/s unbound, because
+//! a TCP send proxy on another core than its engine reads every slot from that core's
+//! cache.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -45,6 +53,108 @@ pub struct LocalJob {
     pub prefix: bool,
     /// Extra environment variables for every rank.
     pub env: Vec<(String, String)>,
+    /// Whether to bind each rank to a CPU.
+    pub bind: CpuBind,
+}
+
+/// Whether the launcher binds each local rank to a CPU of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CpuBind {
+    /// Bind when there are at least as many CPUs (available to the launcher) as local
+    /// ranks; leave ranks free to move when they outnumber the CPUs.
+    #[default]
+    Auto,
+    /// Local rank `i` on the `i`-th available CPU (an error when ranks outnumber CPUs).
+    Core,
+    /// No binding.
+    None,
+}
+
+impl CpuBind {
+    /// Reads `auto`, `core` or `none`.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "auto" => Ok(CpuBind::Auto),
+            "core" => Ok(CpuBind::Core),
+            "none" => Ok(CpuBind::None),
+            other => Err(Error::invalid(format!(
+                "CPU binding {other:?} is not one of auto, core, none"
+            ))),
+        }
+    }
+
+    /// `FERROCCL_CPU_BIND`, or `auto` when unset.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("FERROCCL_CPU_BIND") {
+            Ok(t) => Self::parse(&t).map_err(|e| Error::Env {
+                var: "FERROCCL_CPU_BIND".into(),
+                detail: e.to_string(),
+            }),
+            Err(_) => Ok(CpuBind::Auto),
+        }
+    }
+
+    /// The CPU of each of `nranks` local ranks, among the CPUs this process may use;
+    /// `None` for no binding.
+    pub fn plan(self, nranks: usize) -> Result<Option<Vec<usize>>> {
+        if self == CpuBind::None {
+            return Ok(None);
+        }
+        let cpus = available_cpus()?;
+        if nranks > cpus.len() {
+            return match self {
+                CpuBind::Core => Err(Error::invalid(format!(
+                    "cannot bind {nranks} ranks to a CPU each: {} CPUs are available",
+                    cpus.len()
+                ))),
+                _ => Ok(None),
+            };
+        }
+        Ok(Some(cpus[..nranks].to_vec()))
+    }
+}
+
+/// The CPUs this process may run on, in order.
+fn available_cpus() -> Result<Vec<usize>> {
+    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`,
+    // which lives for the call.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(Error::io(
+            "read this process's CPUs",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `cpu` is below CPU_SETSIZE, inside the set.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .collect())
+}
+
+/// Makes `cmd`'s process run only on `cpu` (set in the child before it executes the
+/// program, so every thread it starts inherits it).
+fn bind_to_cpu(cmd: &mut Command, cpu: usize) {
+    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` came from `available_cpus`, so it is below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    let hook = move || {
+        // SAFETY: sched_setaffinity is a plain system call (async-signal-safe), reading
+        // `set`, a copy owned by this closure, for exactly its size.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    // SAFETY: the hook runs in the forked child before exec; it allocates nothing, takes
+    // no locks and makes one async-signal-safe system call.
+    unsafe { cmd.pre_exec(hook) };
 }
 
 impl LocalJob {
@@ -61,6 +171,7 @@ impl LocalJob {
             grace: Duration::from_secs(5),
             prefix: true,
             env: Vec::new(),
+            bind: CpuBind::Auto,
         }
     }
 }
@@ -108,6 +219,7 @@ pub fn run(job: &LocalJob) -> Result<u8> {
     }
 
     let world = args.nnodes * args.nproc_per_node;
+    let cpus = args.bind.plan(args.nproc_per_node)?;
     let (line_done_tx, line_done_rx) = mpsc::channel::<()>();
     let mut ranks: Vec<Rank> = Vec::with_capacity(args.nproc_per_node);
     for local in 0..args.nproc_per_node {
@@ -130,6 +242,9 @@ pub fn run(job: &LocalJob) -> Result<u8> {
             .process_group(0);
         if std::env::var_os("OMP_NUM_THREADS").is_none() && args.nproc_per_node > 1 {
             cmd.env("OMP_NUM_THREADS", "1");
+        }
+        if let Some(cpus) = &cpus {
+            bind_to_cpu(&mut cmd, cpus[local]);
         }
         if args.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());

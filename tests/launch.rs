@@ -102,6 +102,68 @@ fn ferrorun_sets_torchrun_variables_for_every_rank() {
     assert!(ports.iter().all(|&p| p == ports[0] && p != 0), "{ports:?}");
 }
 
+/// The CPUs a rank may run on, as `/proc/self/status` lists them, for each rank.
+fn allowed_cpus(bind: &str, nproc: usize) -> Result<BTreeMap<usize, String>, String> {
+    let out = run_with_limit(
+        Command::new(FERRORUN).args([
+            "--nproc-per-node",
+            &nproc.to_string(),
+            "--bind",
+            bind,
+            "--",
+            "sh",
+            "-c",
+            "grep Cpus_allowed_list /proc/self/status",
+        ]),
+        Duration::from_secs(30),
+    );
+    if !out.status.success() {
+        return Err(text(&out.stderr));
+    }
+    Ok(lines_by_rank(&text(&out.stdout))
+        .into_iter()
+        .map(|(r, lines)| {
+            (
+                r,
+                lines
+                    .concat()
+                    .split_whitespace()
+                    .last()
+                    .unwrap()
+                    .to_string(),
+            )
+        })
+        .collect())
+}
+
+#[test]
+fn ranks_are_bound_to_a_cpu_each_when_there_are_enough() {
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let all = allowed_cpus("none", 1).unwrap()[&0].clone();
+    // As many ranks as CPUs: one CPU each, all different (auto and core).
+    for bind in ["auto", "core"] {
+        let got = allowed_cpus(bind, cpus).unwrap();
+        let mut seen: Vec<&String> = got.values().collect();
+        assert!(
+            seen.iter().all(|c| c.parse::<usize>().is_ok()),
+            "{bind}: {got:?}"
+        );
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), cpus, "{bind}: {got:?}");
+    }
+    // More ranks than CPUs: auto leaves them free, core refuses, none never binds.
+    let free = allowed_cpus("auto", cpus + 1).unwrap();
+    assert!(free.values().all(|c| *c == all), "{free:?} vs {all}");
+    let err = allowed_cpus("core", cpus + 1).unwrap_err();
+    assert!(
+        err.contains(&format!("cannot bind {} ranks", cpus + 1)),
+        "{err}"
+    );
+    let none = allowed_cpus("none", cpus).unwrap();
+    assert!(none.values().all(|c| *c == all), "{none:?} vs {all}");
+}
+
 #[test]
 fn two_nodes_of_four_form_one_world() {
     let port = free_port().to_string();

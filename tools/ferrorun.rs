@@ -18,7 +18,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ferroccl::launch::{self, LocalJob};
+use ferroccl::launch::{self, CpuBind, LocalJob};
 
 const USAGE: &str = "\
 usage: ferrorun [OPTIONS] [--] PROGRAM [ARGS...]
@@ -33,12 +33,16 @@ options:
   --master-port P      port of the store (default: a free port with one node, else 29500)
   --grace-period S     seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
   --no-prefix          do not prefix output lines with [rankN]:
+  --bind auto|core|none  bind each rank to a CPU of its own: auto (default, or
+                       FERROCCL_CPU_BIND) when there are enough CPUs, core always,
+                       none never
   -h, --help           print this help
 ";
 
 /// Reads the command line into the job to launch (`None`: print the help).
 fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<LocalJob>, String> {
     let mut args = LocalJob::single_node("ferrorun", Vec::new(), 1);
+    args.bind = CpuBind::from_env().map_err(|e| e.to_string())?;
     fn value<T: std::str::FromStr>(
         flag: &str,
         inline: Option<String>,
@@ -78,6 +82,10 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<LocalJob>
                 args.grace = Duration::from_secs_f64(secs);
             }
             "--no-prefix" => args.prefix = false,
+            "--bind" => {
+                let text: String = value(&flag, inline, &mut argv)?;
+                args.bind = CpuBind::parse(&text).map_err(|e| format!("{flag}: {e}"))?;
+            }
             "-h" | "--help" => return Ok(None),
             _ => return Err(format!("unknown option {arg:?}")),
         }

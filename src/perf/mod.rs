@@ -217,6 +217,7 @@ pub fn run(test: Test, args: &PerfArgs, argv: &[String]) -> Result<u8> {
             }
         }
         let mut job = LocalJob::single_node(test.program(), program, np);
+        job.bind = crate::launch::CpuBind::from_env()?;
         job.prefix = false;
         return launch::run(&job);
     }
