@@ -644,6 +644,31 @@ mod tests {
     }
 
     #[test]
+    fn an_ll_slot_looked_at_twice_is_unpacked_once() {
+        // The engine peeks, finds its outgoing FIFO full, and peeks again later: the
+        // second look must give the same bytes without reading the lines again.
+        let (mut tx, mut rx) = pair(Geometry::ll(2, 64), "ll-twice");
+        let slot = tx.try_reserve().unwrap();
+        // SAFETY: 64-byte staging slot, ours until commit.
+        unsafe { std::ptr::write_bytes(slot, 7, 12) };
+        tx.commit(12);
+        let first = rx.try_peek().unwrap();
+        // Spoil the shared lines: a second unpack would now see stale flags.
+        for line in tx.shared.lines(0) {
+            line.store(0, Ordering::Relaxed);
+        }
+        let second = rx.try_peek().expect("the unpacked slot is kept");
+        assert_eq!(first, second);
+        // SAFETY: 12 bytes, readable until release.
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(second.0, 12) },
+            &[7u8; 12]
+        );
+        rx.release();
+        assert!(rx.try_peek().is_none());
+    }
+
+    #[test]
     fn geometry_is_checked_on_both_ends() {
         for slots in [1, 3, 6, MAX_SLOTS] {
             let bad = Geometry {
