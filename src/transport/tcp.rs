@@ -15,7 +15,11 @@
 //!   the slot being committed once every thread has filled its stripes.
 //!
 //! Proxies sleep on a bell of their link that the engine rings after committing or
-//! releasing a slot on it, and ring the rank's bell after they moved one.
+//! releasing a slot on it, and ring the rank's bell after they moved one. A link of one
+//! socket is also written *in line*: after committing, the engine sends what the socket
+//! takes at once itself (`MSG_DONTWAIT`), from its own CPU's cache, and wakes the send
+//! proxy only for the rest. A cursor under a lock (slot number, bytes of its frame
+//! written) lets either continue where the other stopped.
 //! A communicator that closes sends a `CLOSE` frame with its cause on every socket
 //! before shutting it (after sending what it had committed, when it closes normally),
 //! so the peer learns which rank failed first; end-of-file or a reset without one means
@@ -122,6 +126,16 @@ struct Incoming {
     lens: Vec<usize>,
 }
 
+/// How far the sending of the outgoing FIFO has gone, for one helper thread.
+#[derive(Default)]
+struct SendCursor {
+    /// The slot being sent.
+    next: u64,
+    /// Bytes of its frame (header and data) already written; only ever non-zero on a
+    /// link of one socket, whose frames the engine may have started.
+    frame_done: usize,
+}
+
 /// Shared between a link's owner and its proxies.
 struct Shared {
     stop: AtomicBool,
@@ -136,6 +150,8 @@ struct Shared {
     incoming: Mutex<Incoming>,
     /// Per thread: slots it has sent its stripes of.
     sent: Vec<AtomicU64>,
+    /// Per thread: where its sending is (held while writing).
+    sending: Vec<Mutex<SendCursor>>,
     /// Per thread: slots it has received its stripes of.
     received: Vec<AtomicU64>,
     /// Receive proxies that read `CLOSE` on all their sockets, and the cause they read.
@@ -147,6 +163,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Slot number `next` of the outgoing FIFO and its byte count, once committed.
+    fn peek(&self, next: u64) -> Option<(*const u8, usize)> {
+        let mut out = lock(&self.outgoing);
+        let ahead = (next - out.released) as u32;
+        out.fifo.try_peek_ahead(ahead)
+    }
+
     fn set_state(&self, s: LinkState) {
         let mut st = lock(&self.state);
         if *st == LinkState::Up {
@@ -196,6 +219,8 @@ impl Shared {
 pub struct TcpLink {
     shared: Arc<Shared>,
     streams: Vec<TcpStream>,
+    /// The rank's bell, rung when slots are handed back.
+    rank_bell: Arc<Bell>,
     senders: Vec<JoinHandle<()>>,
     receivers: Vec<JoinHandle<()>>,
 }
@@ -280,6 +305,7 @@ impl TcpLink {
                 lens: vec![0; geometry.slots],
             }),
             sent: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            sending: (0..threads).map(|_| Mutex::default()).collect(),
             received: (0..threads).map(|_| AtomicU64::new(0)).collect(),
             closed_threads: AtomicUsize::new(0),
             peer_cause: AtomicU32::new(0),
@@ -295,6 +321,7 @@ impl TcpLink {
         let mut link = TcpLink {
             shared: shared.clone(),
             streams: Vec::new(),
+            rank_bell: rank_bell.clone(),
             senders: Vec::new(),
             receivers: Vec::new(),
         };
@@ -323,9 +350,38 @@ impl TcpLink {
         Ok((link, engine_tx, engine_rx))
     }
 
-    /// Wakes the send proxies (the engine committed a slot).
+    /// After the engine committed slots: on a link of one socket, sends in line what
+    /// the socket takes at once; wakes the send proxies for anything left.
     pub fn ring_send(&self) {
-        self.shared.send_bell.ring();
+        let sh = &self.shared;
+        if sh.striping.sockets() == 1
+            && !sh.stop.load(Ordering::SeqCst)
+            && let Some(mut cur) = try_lock(&sh.sending[0])
+        {
+            loop {
+                let Some((slot, len)) = sh.peek(cur.next) else {
+                    // Everything committed is on its way: no proxy needed.
+                    return;
+                };
+                // SAFETY: the peeked slot holds `len` published bytes and stays readable
+                // until it is released below, by this cursor's holder.
+                let data = unsafe { std::slice::from_raw_parts(slot, len) };
+                let header = frame(FRAME_DATA, len as u32);
+                match send_frame_part(&self.streams[0], &header, data, cur.frame_done, true) {
+                    Ok(n) => cur.frame_done += n,
+                    // Full (or failed, which the proxy will find and report).
+                    Err(_) => break,
+                }
+                if cur.frame_done < header.len() + len {
+                    break;
+                }
+                cur.next += 1;
+                cur.frame_done = 0;
+                sh.sent[0].store(cur.next, Ordering::Release);
+                sh.release_sent(&self.rank_bell);
+            }
+        }
+        sh.send_bell.ring();
     }
 
     /// Wakes the receive proxies (the engine freed a slot).
@@ -427,20 +483,72 @@ fn set_link_timeout(stream: &TcpStream, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Writes a frame header and its data with one system call where the socket takes it
-/// all (a vectored write).
-fn write_frame(sock: &mut TcpStream, header: &[u8; 8], data: &[u8]) -> io::Result<()> {
-    let mut parts = [io::IoSlice::new(header), io::IoSlice::new(data)];
-    let mut parts: &mut [io::IoSlice<'_>] = &mut parts;
-    while !parts.is_empty() {
-        match sock.write_vectored(parts) {
+/// Writes what is left of a frame (`header`, then `data`) from byte `done` on, with one
+/// `sendmsg` (no `SIGPIPE` on a closed peer); with `dontwait`, returns at once
+/// (`WouldBlock`) when the socket takes nothing. Returns the bytes written.
+fn send_frame_part(
+    sock: &TcpStream,
+    header: &[u8; 8],
+    data: &[u8],
+    done: usize,
+    dontwait: bool,
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let (h, d) = if done < header.len() {
+        (&header[done..], data)
+    } else {
+        (&header[header.len()..], &data[done - header.len()..])
+    };
+    let mut iov = [
+        libc::iovec {
+            iov_base: h.as_ptr() as *mut libc::c_void,
+            iov_len: h.len(),
+        },
+        libc::iovec {
+            iov_base: d.as_ptr() as *mut libc::c_void,
+            iov_len: d.len(),
+        },
+    ];
+    // SAFETY: an all-zero msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len();
+    let flags = libc::MSG_NOSIGNAL | if dontwait { libc::MSG_DONTWAIT } else { 0 };
+    // SAFETY: the iovecs point at `h` and `d`, which outlive the call and are only read;
+    // the socket is open for as long as `sock` is borrowed.
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, flags) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Writes the rest of a frame from byte `done` on, waiting for the socket as needed.
+fn send_frame_rest(
+    sock: &TcpStream,
+    header: &[u8; 8],
+    data: &[u8],
+    mut done: usize,
+) -> io::Result<()> {
+    while done < header.len() + data.len() {
+        match send_frame_part(sock, header, data, done, false) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => io::IoSlice::advance_slices(&mut parts, n),
+            Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+/// A mutex's guard if it is free now (poisoning ignored, as [`lock`] does).
+fn try_lock<T>(m: &Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 fn frame(kind: u32, value: u32) -> [u8; 8] {
@@ -450,51 +558,69 @@ fn frame(kind: u32, value: u32) -> [u8; 8] {
     h
 }
 
-/// Engine → sockets: helper thread `t` sends its stripes of every slot.
+/// Engine → sockets: helper thread `t` sends its stripes of every slot (continuing a
+/// frame the engine started in line, on a link of one socket).
 fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
     let nsocks = shared.striping.sockets();
     let first = t * shared.striping.sockets_per_thread;
     let mut drain_deadline: Option<Instant> = None;
-    let mut next: u64 = 0;
-    let peek = |next: u64| {
-        let mut out = lock(&shared.outgoing);
-        let ahead = (next - out.released) as u32;
-        out.fifo.try_peek_ahead(ahead)
-    };
+    let pending = || shared.peek(lock(&shared.sending[t]).next).is_some();
     let outcome: io::Result<()> = (|| {
         loop {
-            if let Some((slot, len)) = peek(next) {
+            let mut cur = lock(&shared.sending[t]);
+            if let Some((slot, len)) = shared.peek(cur.next) {
                 if shared.abrupt.load(Ordering::SeqCst) {
                     break;
                 }
-                for (k, sock) in socks.iter_mut().enumerate() {
+                let header = frame(FRAME_DATA, len as u32);
+                for (k, sock) in socks.iter().enumerate() {
                     let range = stripe(len, first + k, nsocks);
                     // SAFETY: the peeked slot holds `len` published bytes and stays
                     // readable until every send proxy has passed it (`release_sent`).
                     let data =
                         unsafe { std::slice::from_raw_parts(slot.add(range.start), range.len()) };
-                    write_frame(sock, &frame(FRAME_DATA, len as u32), data)?;
+                    let done = if nsocks == 1 { cur.frame_done } else { 0 };
+                    send_frame_rest(sock, &header, data, done)?;
                 }
-                next += 1;
-                shared.sent[t].store(next, Ordering::Release);
+                cur.next += 1;
+                cur.frame_done = 0;
+                shared.sent[t].store(cur.next, Ordering::Release);
+                drop(cur);
                 shared.release_sent(rank_bell);
                 continue;
             }
+            drop(cur);
             if shared.stop.load(Ordering::SeqCst) {
                 // Closing: the FIFO is empty now (or the close is abrupt).
                 let deadline = *drain_deadline.get_or_insert_with(|| Instant::now() + DRAIN_LIMIT);
-                if peek(next).is_none() || Instant::now() >= deadline {
+                if !pending() || Instant::now() >= deadline {
                     break;
                 }
                 continue;
             }
             let seq = shared.send_bell.prepare_sleep();
-            if peek(next).is_some() || shared.stop.load(Ordering::SeqCst) {
+            if pending() || shared.stop.load(Ordering::SeqCst) {
                 shared.send_bell.cancel_sleep();
                 continue;
             }
             shared.send_bell.sleep(seq, Duration::from_millis(100));
         }
+        // A frame the engine started must be finished before CLOSE.
+        let cur = lock(&shared.sending[t]);
+        if nsocks == 1
+            && cur.frame_done > 0
+            && let Some((slot, len)) = shared.peek(cur.next)
+        {
+            // SAFETY: as above; the slot is not released until this cursor moves on.
+            let data = unsafe { std::slice::from_raw_parts(slot, len) };
+            send_frame_rest(
+                &socks[0],
+                &frame(FRAME_DATA, len as u32),
+                data,
+                cur.frame_done,
+            )?;
+        }
+        drop(cur);
         let cause = shared.close_cause.load(Ordering::SeqCst);
         for sock in &mut socks {
             sock.write_all(&frame(FRAME_CLOSE, cause))?;
@@ -776,6 +902,92 @@ mod tests {
                 assert_eq!(at, len, "len {len}, {n} stripes");
             }
         }
+    }
+
+    /// Slot `i`'s bytes: its length varies, its content depends on `i`.
+    fn slot_message(i: usize, slot_bytes: usize) -> Vec<u8> {
+        let len = 1 + (i * 7919) % slot_bytes;
+        (0..len).map(|k| (i * 31 + k * 7) as u8).collect()
+    }
+
+    #[test]
+    fn a_one_socket_link_delivers_frames_the_engine_and_its_proxy_share() {
+        // Tiny send buffers and a slow reader: the engine's in-line sends stop part
+        // way through frames, and the send proxy has to finish them.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        for s in [&a, &b] {
+            use std::os::fd::AsRawFd;
+            for (opt, v) in [(libc::SO_SNDBUF, 4096), (libc::SO_RCVBUF, 32768)] {
+                let v: libc::c_int = v;
+                // SAFETY: setsockopt on an open socket with a c_int of its exact size.
+                let rc = unsafe {
+                    libc::setsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        opt,
+                        &v as *const libc::c_int as *const libc::c_void,
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                assert_eq!(rc, 0);
+            }
+        }
+        let g = Geometry {
+            slots: 4,
+            slot_bytes: 64 << 10,
+            protocol: super::super::Protocol::Simple,
+        };
+        let start = |s: TcpStream, tag: &str| {
+            let bell = Arc::new(private_bell(tag).unwrap());
+            let (link, tx, rx) = TcpLink::start(
+                vec![s],
+                Striping::default(),
+                g,
+                bell,
+                tag,
+                Duration::from_secs(10),
+            )
+            .unwrap();
+            (link, tx, rx)
+        };
+        let (link_a, mut tx, _rx_a) = start(a, "a");
+        let (_link_b, _tx_b, mut rx) = start(b, "b");
+        let count = 300;
+        let reader = std::thread::spawn(move || {
+            for i in 0..count {
+                let (p, len) = loop {
+                    if let Some(got) = rx.try_peek() {
+                        break got;
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
+                };
+                // SAFETY: the slot holds `len` bytes until release.
+                let got = unsafe { std::slice::from_raw_parts(p, len) };
+                assert_eq!(got, slot_message(i, g.slot_bytes), "slot {i}");
+                rx.release();
+                if i % 16 == 0 {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+        });
+        for i in 0..count {
+            let m = slot_message(i, g.slot_bytes);
+            let slot = loop {
+                if let Some(p) = tx.try_reserve() {
+                    break p;
+                }
+                link_a.ring_send();
+                std::thread::sleep(Duration::from_micros(50));
+            };
+            // SAFETY: the reserved slot holds `slot_bytes` bytes until commit.
+            unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
+            tx.commit(m.len());
+            link_a.ring_send();
+        }
+        reader.join().unwrap();
+        assert_eq!(link_a.state(), LinkState::Up);
     }
 
     #[test]
