@@ -152,6 +152,9 @@ struct Shared {
     sent: Vec<AtomicU64>,
     /// Per thread: where its sending is (held while writing).
     sending: Vec<Mutex<SendCursor>>,
+    /// Frames the engine started in line and left for the proxy (for tests).
+    #[cfg(test)]
+    split_frames: AtomicUsize,
     /// Per thread: slots it has received its stripes of.
     received: Vec<AtomicU64>,
     /// Receive proxies that read `CLOSE` on all their sockets, and the cause they read.
@@ -306,6 +309,8 @@ impl TcpLink {
             }),
             sent: (0..threads).map(|_| AtomicU64::new(0)).collect(),
             sending: (0..threads).map(|_| Mutex::default()).collect(),
+            #[cfg(test)]
+            split_frames: AtomicUsize::new(0),
             received: (0..threads).map(|_| AtomicU64::new(0)).collect(),
             closed_threads: AtomicUsize::new(0),
             peer_cause: AtomicU32::new(0),
@@ -369,10 +374,27 @@ impl TcpLink {
                 let header = frame(FRAME_DATA, len as u32);
                 match send_frame_part(&self.streams[0], &header, data, cur.frame_done, true) {
                     Ok(n) => cur.frame_done += n,
-                    // Full (or failed, which the proxy will find and report).
-                    Err(_) => break,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                        ) =>
+                    {
+                        break;
+                    }
+                    Err(e) => {
+                        // Report the socket's error here: the kernel hands it to one
+                        // caller only, and the proxy would then see a bare EPIPE.
+                        sh.set_state(LinkState::Broken(format!("sending failed: {e}")));
+                        self.rank_bell.ring_always();
+                        break;
+                    }
                 }
                 if cur.frame_done < header.len() + len {
+                    #[cfg(test)]
+                    if cur.frame_done > 0 {
+                        sh.split_frames.fetch_add(1, Ordering::Relaxed);
+                    }
                     break;
                 }
                 cur.next += 1;
@@ -512,7 +534,7 @@ fn send_frame_part(
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len();
+    msg.msg_iovlen = iov.len() as _;
     let flags = libc::MSG_NOSIGNAL | if dontwait { libc::MSG_DONTWAIT } else { 0 };
     // SAFETY: the iovecs point at `h` and `d`, which outlive the call and are only read;
     // the socket is open for as long as `sock` is borrowed.
@@ -524,17 +546,18 @@ fn send_frame_part(
     }
 }
 
-/// Writes the rest of a frame from byte `done` on, waiting for the socket as needed.
+/// Writes the rest of a frame from byte `*done` on, waiting for the socket as needed;
+/// `*done` follows the progress, so a failure leaves it where the frame stopped.
 fn send_frame_rest(
     sock: &TcpStream,
     header: &[u8; 8],
     data: &[u8],
-    mut done: usize,
+    done: &mut usize,
 ) -> io::Result<()> {
-    while done < header.len() + data.len() {
-        match send_frame_part(sock, header, data, done, false) {
+    while *done < header.len() + data.len() {
+        match send_frame_part(sock, header, data, *done, false) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
+            Ok(n) => *done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -576,11 +599,16 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
                 for (k, sock) in socks.iter().enumerate() {
                     let range = stripe(len, first + k, nsocks);
                     // SAFETY: the peeked slot holds `len` published bytes and stays
-                    // readable until every send proxy has passed it (`release_sent`).
+                    // readable until it is released, which needs `sent[t]` to pass it;
+                    // `sent[t]` moves only under this cursor's lock, held here.
                     let data =
                         unsafe { std::slice::from_raw_parts(slot.add(range.start), range.len()) };
-                    let done = if nsocks == 1 { cur.frame_done } else { 0 };
-                    send_frame_rest(sock, &header, data, done)?;
+                    if nsocks == 1 {
+                        // The engine may have started this frame in line.
+                        send_frame_rest(sock, &header, data, &mut cur.frame_done)?;
+                    } else {
+                        send_frame_rest(sock, &header, data, &mut 0)?;
+                    }
                 }
                 cur.next += 1;
                 cur.frame_done = 0;
@@ -606,19 +634,15 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
             shared.send_bell.sleep(seq, Duration::from_millis(100));
         }
         // A frame the engine started must be finished before CLOSE.
-        let cur = lock(&shared.sending[t]);
+        let mut cur = lock(&shared.sending[t]);
         if nsocks == 1
             && cur.frame_done > 0
             && let Some((slot, len)) = shared.peek(cur.next)
         {
             // SAFETY: as above; the slot is not released until this cursor moves on.
             let data = unsafe { std::slice::from_raw_parts(slot, len) };
-            send_frame_rest(
-                &socks[0],
-                &frame(FRAME_DATA, len as u32),
-                data,
-                cur.frame_done,
-            )?;
+            let header = frame(FRAME_DATA, len as u32);
+            send_frame_rest(&socks[0], &header, data, &mut cur.frame_done)?;
         }
         drop(cur);
         let cause = shared.close_cause.load(Ordering::SeqCst);
@@ -912,8 +936,8 @@ mod tests {
 
     #[test]
     fn a_one_socket_link_delivers_frames_the_engine_and_its_proxy_share() {
-        // Tiny send buffers and a slow reader: the engine's in-line sends stop part
-        // way through frames, and the send proxy has to finish them.
+        // A tiny send buffer and a reader that pauses: the engine's in-line sends stop
+        // part way through frames, and the send proxy has to finish them.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (b, _) = listener.accept().unwrap();
@@ -941,7 +965,7 @@ mod tests {
         };
         let start = |s: TcpStream, tag: &str| {
             let bell = Arc::new(private_bell(tag).unwrap());
-            let (link, tx, rx) = TcpLink::start(
+            TcpLink::start(
                 vec![s],
                 Striping::default(),
                 g,
@@ -949,45 +973,56 @@ mod tests {
                 tag,
                 Duration::from_secs(10),
             )
-            .unwrap();
-            (link, tx, rx)
+            .unwrap()
         };
         let (link_a, mut tx, _rx_a) = start(a, "a");
-        let (_link_b, _tx_b, mut rx) = start(b, "b");
+        let (link_b, _tx_b, mut rx) = start(b, "b");
         let count = 300;
-        let reader = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let writer = std::thread::spawn(move || {
             for i in 0..count {
-                let (p, len) = loop {
-                    if let Some(got) = rx.try_peek() {
-                        break got;
+                let m = slot_message(i, g.slot_bytes);
+                let slot = loop {
+                    if let Some(p) = tx.try_reserve() {
+                        break p;
                     }
+                    assert_eq!(link_a.state(), LinkState::Up, "slot {i}");
+                    assert!(Instant::now() < deadline, "writer stuck at slot {i}");
+                    link_a.ring_send();
                     std::thread::sleep(Duration::from_micros(50));
                 };
-                // SAFETY: the slot holds `len` bytes until release.
-                let got = unsafe { std::slice::from_raw_parts(p, len) };
-                assert_eq!(got, slot_message(i, g.slot_bytes), "slot {i}");
-                rx.release();
-                if i % 16 == 0 {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
+                // SAFETY: the reserved slot holds `slot_bytes` bytes until commit.
+                unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
+                tx.commit(m.len());
+                link_a.ring_send();
             }
+            link_a
         });
         for i in 0..count {
-            let m = slot_message(i, g.slot_bytes);
-            let slot = loop {
-                if let Some(p) = tx.try_reserve() {
-                    break p;
+            let (p, len) = loop {
+                if let Some(got) = rx.try_peek() {
+                    break got;
                 }
-                link_a.ring_send();
+                assert_eq!(link_b.state(), LinkState::Up, "slot {i}");
+                assert!(Instant::now() < deadline, "reader stuck at slot {i}");
                 std::thread::sleep(Duration::from_micros(50));
             };
-            // SAFETY: the reserved slot holds `slot_bytes` bytes until commit.
-            unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
-            tx.commit(m.len());
-            link_a.ring_send();
+            // SAFETY: the slot holds `len` bytes until release.
+            let got = unsafe { std::slice::from_raw_parts(p, len) };
+            assert_eq!(got, slot_message(i, g.slot_bytes), "slot {i}");
+            rx.release();
+            link_b.ring_recv();
+            if i % 16 == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
-        reader.join().unwrap();
+        let link_a = writer.join().unwrap();
         assert_eq!(link_a.state(), LinkState::Up);
+        let split = link_a.shared.split_frames.load(Ordering::Relaxed);
+        assert!(
+            split > 0,
+            "no frame was split between the engine and the proxy"
+        );
     }
 
     #[test]
