@@ -928,6 +928,29 @@ impl RingView<'_> {
         let n = self.n();
         self.ring[(self.pos + n - back % n) % n]
     }
+
+    /// Step `q` of a chain of reductions along the ring (more than one rank): the
+    /// first sends its contribution `src` on, the middle ones add theirs and pass the
+    /// sum on, the last completes it into `dst`.
+    fn chain_reduce_step(&self, q: usize, src: Region, dst: Region) -> Step {
+        match q {
+            0 => Step::Send {
+                to: self.next(),
+                src,
+            },
+            q if q < self.n() - 1 => Step::RecvReduceSend {
+                from: self.prev(),
+                to: self.next(),
+                src,
+            },
+            _ => Step::RecvReduceCopy {
+                from: self.prev(),
+                src,
+                dst,
+                post: true,
+            },
+        }
+    }
 }
 
 impl Builder<'_> {
@@ -1167,20 +1190,7 @@ impl Builder<'_> {
                 // last step (s = n−1) completes this rank's own block.
                 let block = v.before(s + 1);
                 let src = Region::input(block * count + off, l);
-                steps.push(match s {
-                    0 => Step::Send { to: v.next(), src },
-                    s if s < n - 1 => Step::RecvReduceSend {
-                        from: v.prev(),
-                        to: v.next(),
-                        src,
-                    },
-                    _ => Step::RecvReduceCopy {
-                        from: v.prev(),
-                        src,
-                        dst: Region::output(off, l),
-                        post: true,
-                    },
-                });
+                steps.push(v.chain_reduce_step(s, src, Region::output(off, l)));
             }
         })
     }
@@ -1275,24 +1285,11 @@ impl Builder<'_> {
                     .block_chunks(c)
                     .into_iter()
                     .map(|(off, l)| {
-                        let src = Region::input(off, l);
-                        match q {
-                            _ if n == 1 => Step::Copy {
-                                src,
-                                dst: Region::output(off, l),
-                            },
-                            0 => Step::Send { to: v.next(), src },
-                            q if q < n - 1 => Step::RecvReduceSend {
-                                from: v.prev(),
-                                to: v.next(),
-                                src,
-                            },
-                            _ => Step::RecvReduceCopy {
-                                from: v.prev(),
-                                src,
-                                dst: Region::output(off, l),
-                                post: true,
-                            },
+                        let (src, dst) = (Region::input(off, l), Region::output(off, l));
+                        if n == 1 {
+                            Step::Copy { src, dst }
+                        } else {
+                            v.chain_reduce_step(q, src, dst)
                         }
                     })
                     .collect();

@@ -275,18 +275,23 @@ impl Connections {
         let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
             (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
+        // The FIFOs to and from each peer not reached over TCP (paths are symmetric), in
+        // every format: (format, channel index, peer).
+        let mut local_fifos: Vec<(Geometry, usize, usize)> = Vec::new();
         for &g in &formats {
-            for (ci, row) in recvs[g.protocol.index()].iter_mut().enumerate() {
-                for from in neighbours(ci) {
-                    if path(from, rank) == Path::Tcp {
-                        continue;
+            for ci in 0..=channels {
+                for peer in neighbours(ci) {
+                    if path(rank, peer) != Path::Tcp {
+                        local_fifos.push((g, ci, peer));
                     }
-                    let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
-                    let seg = Segment::create(kind, &name, g.segment_bytes())?;
-                    created.0.push((kind, name));
-                    row[from] = Some(fifo::recv_end(seg, g)?);
                 }
             }
+        }
+        for &(g, ci, from) in &local_fifos {
+            let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
+            let seg = Segment::create(kind, &name, g.segment_bytes())?;
+            created.0.push((kind, name));
+            recvs[g.protocol.index()][ci][from] = Some(fifo::recv_end(seg, g)?);
         }
 
         // TCP: one socket per channel and pair of ranks, opened by the lower rank.
@@ -370,17 +375,10 @@ impl Connections {
                 Liveness::watch(peers[peer].pid)
             });
         }
-        for &g in &formats {
-            for (ci, row) in sends[g.protocol.index()].iter_mut().enumerate() {
-                for to in neighbours(ci) {
-                    if path(rank, to) == Path::Tcp {
-                        continue;
-                    }
-                    let (kind, name) = (kind_of(path(rank, to)), fifo_name(g, ci, rank, to));
-                    let seg = Segment::open(kind, &name, g.segment_bytes())?;
-                    row[to] = Some(fifo::send_end(seg, g, &name)?);
-                }
-            }
+        for &(g, ci, to) in &local_fifos {
+            let (kind, name) = (kind_of(path(rank, to)), fifo_name(g, ci, rank, to));
+            let seg = Segment::open(kind, &name, g.segment_bytes())?;
+            sends[g.protocol.index()][ci][to] = Some(fifo::send_end(seg, g, &name)?);
         }
         boot.barrier()?;
         drop(created);
@@ -484,13 +482,10 @@ impl Connections {
         };
         // LL calls to a peer over TCP use the Simple FIFOs of its link.
         let f = protocol.index();
-        let over_tcp = |p: usize| self.links[ci][p].is_some();
-        let send_format = |p: usize| if over_tcp(p) { 0 } else { f };
-        let recv_format = |p: usize| if over_tcp(p) { 0 } else { f };
-        let to = to.filter(|&p| p < self.nranks).map(|p| (send_format(p), p));
-        let from = from
-            .filter(|&p| p < self.nranks)
-            .map(|p| (recv_format(p), p));
+        let place = |p: usize| {
+            (p < self.nranks).then(|| (if self.links[ci][p].is_some() { 0 } else { f }, p))
+        };
+        let (to, from) = (to.and_then(place), from.and_then(place));
         let send = to.and_then(|(f, p)| self.sends[f][ci][p].as_mut());
         let recv = from.and_then(|(f, p)| self.recvs[f][ci][p].as_mut());
         (send, recv)
