@@ -10,16 +10,21 @@
 //! - a *send proxy* that takes the slots the engine committed to the local outgoing
 //!   FIFO and writes its stripes of each as frames (`kind: u32`, `value: u32` = the
 //!   slot's byte count, then the stripe), the slot being handed back once every thread
-//!   has sent its stripes;
+//!   has sent its stripes. One `sendmsg` gathers every frame committed so far (up to
+//!   `GATHER_FRAMES`): per-call costs, not copies, bound loopback TCP here, so one
+//!   system call per slot would cap the link well below what the socket can carry. The
+//!   proxy never blocks inside a socket: each of its sockets takes what it can
+//!   (`MSG_DONTWAIT`), and it `poll`s for room on any of them.
 //! - a *receive proxy* that reads its stripes into slots of the local incoming FIFO,
-//!   the slot being committed once every thread has filled its stripes.
+//!   the slot being committed once every thread has filled its stripes. Each read also
+//!   takes whatever has arrived of the next frame's header.
 //!
 //! Proxies sleep on a bell of their link that the engine rings after committing or
 //! releasing a slot on it, and ring the rank's bell after they moved one. A link of one
 //! socket is also written *in line*: after committing, the engine sends what the socket
 //! takes at once itself (`MSG_DONTWAIT`), from its own CPU's cache, and wakes the send
-//! proxy only for the rest. A cursor under a lock (slot number, bytes of its frame
-//! written) lets either continue where the other stopped.
+//! proxy only for the rest. A cursor per socket under the thread's lock (slot number,
+//! bytes of its frame written) lets either continue where the other stopped.
 //! A communicator that closes sends a `CLOSE` frame with its cause on every socket
 //! before shutting it (after sending what it had committed, when it closes normally),
 //! so the peer learns which rank failed first; end-of-file or a reset without one means
@@ -126,14 +131,25 @@ struct Incoming {
     lens: Vec<usize>,
 }
 
-/// How far the sending of the outgoing FIFO has gone, for one helper thread.
-#[derive(Default)]
-struct SendCursor {
-    /// The slot being sent.
+/// Where one socket's stream stands in the outgoing FIFO.
+#[derive(Clone, Copy, Debug, Default)]
+struct StreamPos {
+    /// The frame being written: a slot number of the outgoing FIFO.
     next: u64,
-    /// Bytes of its frame (header and data) already written; only ever non-zero on a
-    /// link of one socket, whose frames the engine may have started.
-    frame_done: usize,
+    /// Bytes of that frame (its header and this socket's stripe) already written.
+    done: usize,
+}
+
+/// How far one helper thread's sockets have sent (held while writing to them).
+struct SendCursor {
+    socks: Vec<StreamPos>,
+}
+
+impl SendCursor {
+    /// Frames every one of the thread's sockets has written in full.
+    fn sent(&self) -> u64 {
+        self.socks.iter().map(|p| p.next).min().unwrap_or(0)
+    }
 }
 
 /// Shared between a link's owner and its proxies.
@@ -155,6 +171,9 @@ struct Shared {
     /// Frames the engine started in line and left for the proxy (for tests).
     #[cfg(test)]
     split_frames: AtomicUsize,
+    /// `sendmsg` calls that carried more than one frame (for tests).
+    #[cfg(test)]
+    gathers: AtomicUsize,
     /// Per thread: slots it has received its stripes of.
     received: Vec<AtomicU64>,
     /// Receive proxies that read `CLOSE` on all their sockets, and the cause they read.
@@ -308,9 +327,17 @@ impl TcpLink {
                 lens: vec![0; geometry.slots],
             }),
             sent: (0..threads).map(|_| AtomicU64::new(0)).collect(),
-            sending: (0..threads).map(|_| Mutex::default()).collect(),
+            sending: (0..threads)
+                .map(|_| {
+                    Mutex::new(SendCursor {
+                        socks: vec![StreamPos::default(); striping.sockets_per_thread],
+                    })
+                })
+                .collect(),
             #[cfg(test)]
             split_frames: AtomicUsize::new(0),
+            #[cfg(test)]
+            gathers: AtomicUsize::new(0),
             received: (0..threads).map(|_| AtomicU64::new(0)).collect(),
             closed_threads: AtomicUsize::new(0),
             peer_cause: AtomicU32::new(0),
@@ -364,16 +391,20 @@ impl TcpLink {
             && let Some(mut cur) = try_lock(&sh.sending[0])
         {
             loop {
-                let Some((slot, len)) = sh.peek(cur.next) else {
+                match send_gathered(
+                    &self.streams[0],
+                    sh,
+                    0,
+                    &mut cur.socks[0],
+                    GATHER_FRAMES,
+                    true,
+                ) {
                     // Everything committed is on its way: no proxy needed.
-                    return;
-                };
-                // SAFETY: the peeked slot holds `len` published bytes and stays readable
-                // until it is released below, by this cursor's holder.
-                let data = unsafe { std::slice::from_raw_parts(slot, len) };
-                let header = frame(FRAME_DATA, len as u32);
-                match send_frame_part(&self.streams[0], &header, data, cur.frame_done, true) {
-                    Ok(n) => cur.frame_done += n,
+                    Ok(0) => return,
+                    Ok(_) => {
+                        sh.sent[0].store(cur.sent(), Ordering::Release);
+                        sh.release_sent(&self.rank_bell);
+                    }
                     Err(e)
                         if matches!(
                             e.kind(),
@@ -390,17 +421,10 @@ impl TcpLink {
                         break;
                     }
                 }
-                if cur.frame_done < header.len() + len {
-                    #[cfg(test)]
-                    if cur.frame_done > 0 {
-                        sh.split_frames.fetch_add(1, Ordering::Relaxed);
-                    }
-                    break;
-                }
-                cur.next += 1;
-                cur.frame_done = 0;
-                sh.sent[0].store(cur.next, Ordering::Release);
-                sh.release_sent(&self.rank_bell);
+            }
+            #[cfg(test)]
+            if cur.socks[0].done > 0 {
+                sh.split_frames.fetch_add(1, Ordering::Relaxed);
             }
         }
         sh.send_bell.ring();
@@ -505,64 +529,103 @@ fn set_link_timeout(stream: &TcpStream, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Writes what is left of a frame (`header`, then `data`) from byte `done` on, with one
-/// `sendmsg` (no `SIGPIPE` on a closed peer); with `dontwait`, returns at once
-/// (`WouldBlock`) when the socket takes nothing. Returns the bytes written.
-fn send_frame_part(
+/// Most frames one `sendmsg` carries: gathering the frames committed meanwhile into one
+/// system call (rather than one per slot) is what lets a socket keep up with the engine
+/// (2 ranks, 64 MiB all-reduce over loopback: see the README).
+const GATHER_FRAMES: usize = 16;
+
+/// Writes, with one `sendmsg` (no `SIGPIPE` on a closed peer), what socket `index` of
+/// the link has to send from `pos` on: the rest of frame `pos.next`, then the frames
+/// committed after it, at most `max_frames` (and [`GATHER_FRAMES`]) in all, each a
+/// header and the socket's stripe of the slot. With `dontwait` it returns at once (`WouldBlock`) when the socket
+/// takes nothing. Returns the bytes written, 0 when nothing is committed, and moves
+/// `pos` past them. The caller holds the cursor `pos` belongs to.
+fn send_gathered(
     sock: &TcpStream,
-    header: &[u8; 8],
-    data: &[u8],
-    done: usize,
+    shared: &Shared,
+    index: usize,
+    pos: &mut StreamPos,
+    max_frames: usize,
     dontwait: bool,
 ) -> io::Result<usize> {
     use std::os::fd::AsRawFd;
-    let (h, d) = if done < header.len() {
-        (&header[done..], data)
-    } else {
-        (&header[header.len()..], &data[done - header.len()..])
+    let nsocks = shared.striping.sockets();
+    let mut headers = [[0u8; 8]; GATHER_FRAMES];
+    let mut stripes = [(std::ptr::null::<u8>(), 0usize); GATHER_FRAMES];
+    let mut frames = 0;
+    while frames < max_frames.min(GATHER_FRAMES) {
+        let Some((slot, len)) = shared.peek(pos.next + frames as u64) else {
+            break;
+        };
+        let range = stripe(len, index, nsocks);
+        headers[frames] = frame(FRAME_DATA, len as u32);
+        // SAFETY: the stripe lies inside the slot's `len` published bytes.
+        stripes[frames] = (unsafe { slot.add(range.start) }, range.len());
+        frames += 1;
+    }
+    if frames == 0 {
+        return Ok(0);
+    }
+    let empty = libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
     };
-    let mut iov = [
-        libc::iovec {
-            iov_base: h.as_ptr() as *mut libc::c_void,
-            iov_len: h.len(),
-        },
-        libc::iovec {
-            iov_base: d.as_ptr() as *mut libc::c_void,
-            iov_len: d.len(),
-        },
-    ];
+    let mut iov = [empty; 2 * GATHER_FRAMES];
+    for j in 0..frames {
+        // Only the first frame can be partly written.
+        let skip = if j == 0 { pos.done } else { 0 };
+        let (data, len) = stripes[j];
+        let (h, d) = (skip.min(8), skip.saturating_sub(8));
+        iov[2 * j] = libc::iovec {
+            iov_base: headers[j][h..].as_mut_ptr() as *mut libc::c_void,
+            iov_len: 8 - h,
+        };
+        iov[2 * j + 1] = libc::iovec {
+            // SAFETY: `d <= len`: a frame's written bytes never pass its end.
+            iov_base: unsafe { data.add(d) } as *mut libc::c_void,
+            iov_len: len - d,
+        };
+    }
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len() as _;
+    msg.msg_iovlen = (2 * frames) as _;
     let flags = libc::MSG_NOSIGNAL | if dontwait { libc::MSG_DONTWAIT } else { 0 };
-    // SAFETY: the iovecs point at `h` and `d`, which outlive the call and are only read;
-    // the socket is open for as long as `sock` is borrowed.
+    // SAFETY: the iovecs point at `headers`, which outlives the call, and at committed
+    // slots that stay readable until released, which needs `pos` (the caller's) to pass
+    // them; the kernel only reads them. The socket is open while `sock` is borrowed.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, flags) };
     if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
+        return Err(io::Error::last_os_error());
     }
+    #[cfg(test)]
+    if n as usize > 8 + stripes[0].1 - pos.done {
+        shared.gathers.fetch_add(1, Ordering::Relaxed);
+    }
+    let mut left = n as usize;
+    for &(_, len) in &stripes[..frames] {
+        let rest = 8 + len - pos.done;
+        if left < rest {
+            pos.done += left;
+            break;
+        }
+        left -= rest;
+        pos.next += 1;
+        pos.done = 0;
+    }
+    Ok(n as usize)
 }
 
-/// Writes the rest of a frame from byte `*done` on, waiting for the socket as needed;
-/// `*done` follows the progress, so a failure leaves it where the frame stopped.
-fn send_frame_rest(
-    sock: &TcpStream,
-    header: &[u8; 8],
-    data: &[u8],
-    done: &mut usize,
-) -> io::Result<()> {
-    while *done < header.len() + data.len() {
-        match send_frame_part(sock, header, data, *done, false) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => *done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+/// Waits up to `timeout` until one of `fds` can take more data.
+fn wait_writable(fds: &mut [libc::pollfd], timeout: Duration) {
+    // SAFETY: `fds` is a valid array of pollfd of the length given.
+    unsafe {
+        libc::poll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            timeout.as_millis() as i32,
+        )
+    };
 }
 
 /// A mutex's guard if it is free now (poisoning ignored, as [`lock`] does).
@@ -581,50 +644,61 @@ fn frame(kind: u32, value: u32) -> [u8; 8] {
     h
 }
 
-/// Engine → sockets: helper thread `t` sends its stripes of every slot (continuing a
-/// frame the engine started in line, on a link of one socket).
+/// Engine → sockets: helper thread `t` sends its stripes of every slot (continuing
+/// what the engine started in line, on a link of one socket). It never waits inside a
+/// socket: each socket takes what it can, and the thread waits for any of them to have
+/// room, so one slow socket does not hold back the others.
 fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
-    let nsocks = shared.striping.sockets();
+    use std::os::fd::AsRawFd;
     let first = t * shared.striping.sockets_per_thread;
     let mut drain_deadline: Option<Instant> = None;
-    let pending = || shared.peek(lock(&shared.sending[t]).next).is_some();
+    let pending = || shared.peek(lock(&shared.sending[t]).sent()).is_some();
     let outcome: io::Result<()> = (|| {
         loop {
-            let mut cur = lock(&shared.sending[t]);
-            if let Some((slot, len)) = shared.peek(cur.next) {
-                if shared.abrupt.load(Ordering::SeqCst) {
+            let stopping = shared.stop.load(Ordering::SeqCst);
+            if stopping {
+                // Closing: send what is committed, unless the close is abrupt.
+                let deadline = *drain_deadline.get_or_insert_with(|| Instant::now() + DRAIN_LIMIT);
+                if shared.abrupt.load(Ordering::SeqCst) || Instant::now() >= deadline {
                     break;
                 }
-                let header = frame(FRAME_DATA, len as u32);
-                for (k, sock) in socks.iter().enumerate() {
-                    let range = stripe(len, first + k, nsocks);
-                    // SAFETY: the peeked slot holds `len` published bytes and stays
-                    // readable until it is released, which needs `sent[t]` to pass it;
-                    // `sent[t]` moves only under this cursor's lock, held here.
-                    let data =
-                        unsafe { std::slice::from_raw_parts(slot.add(range.start), range.len()) };
-                    if nsocks == 1 {
-                        // The engine may have started this frame in line.
-                        send_frame_rest(sock, &header, data, &mut cur.frame_done)?;
-                    } else {
-                        send_frame_rest(sock, &header, data, &mut 0)?;
-                    }
+            }
+            let mut cur = lock(&shared.sending[t]);
+            let mut moved = false;
+            let mut full = Vec::new();
+            for (k, sock) in socks.iter().enumerate() {
+                match send_gathered(
+                    sock,
+                    shared,
+                    first + k,
+                    &mut cur.socks[k],
+                    GATHER_FRAMES,
+                    true,
+                ) {
+                    Ok(0) => {}
+                    Ok(_) => moved = true,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => full.push(libc::pollfd {
+                        fd: sock.as_raw_fd(),
+                        events: libc::POLLOUT,
+                        revents: 0,
+                    }),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
                 }
-                cur.next += 1;
-                cur.frame_done = 0;
-                shared.sent[t].store(cur.next, Ordering::Release);
+            }
+            if moved {
+                shared.sent[t].store(cur.sent(), Ordering::Release);
                 drop(cur);
                 shared.release_sent(rank_bell);
                 continue;
             }
             drop(cur);
-            if shared.stop.load(Ordering::SeqCst) {
-                // Closing: the FIFO is empty now (or the close is abrupt).
-                let deadline = *drain_deadline.get_or_insert_with(|| Instant::now() + DRAIN_LIMIT);
-                if !pending() || Instant::now() >= deadline {
-                    break;
-                }
+            if !full.is_empty() {
+                wait_writable(&mut full, Duration::from_millis(100));
                 continue;
+            }
+            if stopping && !pending() {
+                break;
             }
             let seq = shared.send_bell.prepare_sleep();
             if pending() || shared.stop.load(Ordering::SeqCst) {
@@ -633,16 +707,15 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
             }
             shared.send_bell.sleep(seq, Duration::from_millis(100));
         }
-        // A frame the engine started must be finished before CLOSE.
+        // Frames already started must be finished before CLOSE.
         let mut cur = lock(&shared.sending[t]);
-        if nsocks == 1
-            && cur.frame_done > 0
-            && let Some((slot, len)) = shared.peek(cur.next)
-        {
-            // SAFETY: as above; the slot is not released until this cursor moves on.
-            let data = unsafe { std::slice::from_raw_parts(slot, len) };
-            let header = frame(FRAME_DATA, len as u32);
-            send_frame_rest(&socks[0], &header, data, &mut cur.frame_done)?;
+        for (k, sock) in socks.iter().enumerate() {
+            while cur.socks[k].done > 0 {
+                // Only the frame started: its slot stays committed until it is sent.
+                if send_gathered(sock, shared, first + k, &mut cur.socks[k], 1, false)? == 0 {
+                    break;
+                }
+            }
         }
         drop(cur);
         let cause = shared.close_cause.load(Ordering::SeqCst);
@@ -661,14 +734,47 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
     }
 }
 
-/// Reads one frame header: `(kind, value)`.
-fn read_header(sock: &mut TcpStream) -> io::Result<(u32, u32)> {
-    let mut h = [0u8; 8];
-    sock.read_exact(&mut h)?;
-    Ok((
-        u32::from_le_bytes(h[..4].try_into().expect("4 bytes")),
-        u32::from_le_bytes(h[4..].try_into().expect("4 bytes")),
-    ))
+/// The next frame's header on one socket, as far as it has arrived.
+#[derive(Default)]
+struct NextHeader {
+    bytes: [u8; 8],
+    have: usize,
+}
+
+impl NextHeader {
+    /// Reads the rest of the header (waiting for it) and takes it: `(kind, value)`.
+    fn take(&mut self, sock: &mut TcpStream) -> io::Result<(u32, u32)> {
+        sock.read_exact(&mut self.bytes[self.have..])?;
+        self.have = 0;
+        let h = &self.bytes;
+        Ok((
+            u32::from_le_bytes(h[..4].try_into().expect("4 bytes")),
+            u32::from_le_bytes(h[4..].try_into().expect("4 bytes")),
+        ))
+    }
+}
+
+/// Fills `buf` from `sock` (waiting for it) and, with the same system calls, reads as
+/// much of the next frame's header as has arrived: one call per frame instead of two.
+fn read_frame_data(sock: &mut TcpStream, buf: &mut [u8], next: &mut NextHeader) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let mut iov = [
+            io::IoSliceMut::new(&mut buf[got..]),
+            io::IoSliceMut::new(&mut next.bytes[next.have..]),
+        ];
+        match sock.read_vectored(&mut iov) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                let data = n.min(buf.len() - got);
+                got += data;
+                next.have += n - data;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// What a receive proxy ended with.
@@ -683,12 +789,13 @@ enum Ending {
 fn recv_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
     let nsocks = shared.striping.sockets();
     let first = t * shared.striping.sockets_per_thread;
+    let mut headers: Vec<NextHeader> = socks.iter().map(|_| NextHeader::default()).collect();
     let outcome: io::Result<Ending> = (|| {
         let mut next: u64 = 0;
         loop {
             let mut slot: Option<*mut u8> = None;
             for k in 0..socks.len() {
-                let (kind, value) = read_header(&mut socks[k])?;
+                let (kind, value) = headers[k].take(&mut socks[k])?;
                 match kind {
                     FRAME_DATA if value as usize <= shared.slot_bytes => {
                         let base = match slot {
@@ -708,12 +815,12 @@ fn recv_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
                         let buf = unsafe {
                             std::slice::from_raw_parts_mut(base.add(range.start), range.len())
                         };
-                        socks[k].read_exact(buf)?;
+                        read_frame_data(&mut socks[k], buf, &mut headers[k])?;
                     }
                     FRAME_CLOSE if slot.is_none() => {
                         // The others of this thread's sockets close after the same slots.
-                        for sock in &mut socks[k + 1..] {
-                            if read_header(sock)? != (FRAME_CLOSE, value) {
+                        for (sock, header) in socks[k + 1..].iter_mut().zip(&mut headers[k + 1..]) {
+                            if header.take(sock)? != (FRAME_CLOSE, value) {
                                 return Err(io::Error::new(
                                     io::ErrorKind::InvalidData,
                                     "sockets of one link closed after different slots",
@@ -934,46 +1041,50 @@ mod tests {
         (0..len).map(|k| (i * 31 + k * 7) as u8).collect()
     }
 
-    #[test]
-    fn a_one_socket_link_delivers_frames_the_engine_and_its_proxy_share() {
-        // A tiny send buffer and a reader that pauses: the engine's in-line sends stop
-        // part way through frames, and the send proxy has to finish them.
+    /// `n` connected pairs of loopback sockets with tiny send buffers, so that writes
+    /// stop part way through frames.
+    fn socket_pairs(n: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (b, _) = listener.accept().unwrap();
-        for s in [&a, &b] {
-            use std::os::fd::AsRawFd;
-            for (opt, v) in [(libc::SO_SNDBUF, 4096), (libc::SO_RCVBUF, 32768)] {
-                let v: libc::c_int = v;
-                // SAFETY: setsockopt on an open socket with a c_int of its exact size.
-                let rc = unsafe {
-                    libc::setsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        opt,
-                        &v as *const libc::c_int as *const libc::c_void,
-                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                    )
-                };
-                assert_eq!(rc, 0);
+        let mut pairs = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (b, _) = listener.accept().unwrap();
+            for s in [&a, &b] {
+                use std::os::fd::AsRawFd;
+                for (opt, v) in [(libc::SO_SNDBUF, 4096), (libc::SO_RCVBUF, 32768)] {
+                    let v: libc::c_int = v;
+                    // SAFETY: setsockopt on an open socket with a c_int of its exact size.
+                    let rc = unsafe {
+                        libc::setsockopt(
+                            s.as_raw_fd(),
+                            libc::SOL_SOCKET,
+                            opt,
+                            &v as *const libc::c_int as *const libc::c_void,
+                            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                        )
+                    };
+                    assert_eq!(rc, 0);
+                }
             }
+            pairs.0.push(a);
+            pairs.1.push(b);
         }
+        pairs
+    }
+
+    /// Sends 300 slots of varied lengths over a link striped as `striping`, through a
+    /// reader that pauses, and checks every byte; returns the sending side's shared
+    /// state for the caller's assertions about how the frames went.
+    fn deliver_through_a_slow_reader(striping: Striping) -> Arc<Shared> {
+        let (a, b) = socket_pairs(striping.sockets());
         let g = Geometry {
             slots: 4,
             slot_bytes: 64 << 10,
             protocol: super::super::Protocol::Simple,
         };
-        let start = |s: TcpStream, tag: &str| {
+        let start = |s: Vec<TcpStream>, tag: &str| {
             let bell = Arc::new(private_bell(tag).unwrap());
-            TcpLink::start(
-                vec![s],
-                Striping::default(),
-                g,
-                bell,
-                tag,
-                Duration::from_secs(10),
-            )
-            .unwrap()
+            TcpLink::start(s, striping, g, bell, tag, Duration::from_secs(10)).unwrap()
         };
         let (link_a, mut tx, _rx_a) = start(a, "a");
         let (link_b, _tx_b, mut rx) = start(b, "b");
@@ -1018,10 +1129,32 @@ mod tests {
         }
         let link_a = writer.join().unwrap();
         assert_eq!(link_a.state(), LinkState::Up);
-        let split = link_a.shared.split_frames.load(Ordering::Relaxed);
+        link_a.shared.clone()
+    }
+
+    #[test]
+    fn a_one_socket_link_delivers_frames_the_engine_and_its_proxy_share() {
+        let sent = deliver_through_a_slow_reader(Striping::default());
+        let split = sent.split_frames.load(Ordering::Relaxed);
         assert!(
             split > 0,
             "no frame was split between the engine and the proxy"
+        );
+        assert!(
+            sent.gathers.load(Ordering::Relaxed) > 0,
+            "no sendmsg carried more than one frame"
+        );
+    }
+
+    #[test]
+    fn a_striped_link_delivers_frames_each_socket_sends_at_its_own_pace() {
+        let sent = deliver_through_a_slow_reader(Striping {
+            threads: 2,
+            sockets_per_thread: 2,
+        });
+        assert!(
+            sent.gathers.load(Ordering::Relaxed) > 0,
+            "no sendmsg carried more than one frame"
         );
     }
 
