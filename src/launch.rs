@@ -115,7 +115,7 @@ impl CpuBind {
 }
 
 /// The CPUs this process may run on, in order.
-fn available_cpus() -> Result<Vec<usize>> {
+pub(crate) fn available_cpus() -> Result<Vec<usize>> {
     // SAFETY: an all-zero cpu_set_t is a valid, empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`,

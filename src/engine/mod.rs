@@ -139,6 +139,23 @@ pub unsafe fn execute(
     conns: &mut Connections,
     call: &CallInfo,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    let result = unsafe { run_lanes(plan, ops, conns, call) };
+    // Between calls the TCP receive proxies read the links.
+    conns.stop_reading();
+    result
+}
+
+/// [`execute`]'s work.
+///
+/// # Safety
+/// As for [`execute`].
+unsafe fn run_lanes(
+    plan: &Plan,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    call: &CallInfo,
+) -> Result<()> {
     let mut lanes = vec![LaneState::default(); plan.lanes.len()];
     let tracing = crate::trace::tracing_steps();
     let rank = conns.rank();
@@ -237,6 +254,8 @@ pub unsafe fn execute(
         let nap = MAX_SLEEP
             .min(call.deadline - now)
             .min(PROCESS_CHECK_INTERVAL);
+        // Asleep, the engine cannot read TCP links in line: their proxies do, and ring.
+        conns.stop_reading();
         conns.bell().sleep(seq, nap);
     }
 }
@@ -374,6 +393,9 @@ unsafe fn advance(
         let op = ops[op_index];
         let elem = op.kernel.dtype().size();
         let per_slice = conns.slice_bytes(op.protocol) / elem;
+        if let Some(p) = from {
+            conns.read_in_line(channel, p);
+        }
         let (send, recv) = conns.ends(channel, op.protocol, to, from);
         let (mut send, mut recv) = match (
             to.is_some() == send.is_some(),

@@ -380,10 +380,24 @@ impl Connections {
             let seg = Segment::open(kind, &name, g.segment_bytes())?;
             sends[g.protocol.index()][ci][to] = Some(fifo::send_end(seg, g, &name)?);
         }
-        boot.barrier()?;
+        // Every rank says which CPUs it may run on (this also waits for every rank to
+        // have opened its FIFOs). The ranks of this host oversubscribe it when they
+        // outnumber the CPUs they may use between them: ranks bound to a CPU each do
+        // not, ranks all confined to one CPU do.
+        let cpus: Vec<u8> = crate::launch::available_cpus()
+            .unwrap_or_default()
+            .iter()
+            .flat_map(|&c| (c as u32).to_le_bytes())
+            .collect();
+        let all_cpus = boot.all_gather(&cpus)?;
         drop(created);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let oversubscribed = boot.local_ranks().len() > cores;
+        let local_cpus: std::collections::BTreeSet<u32> = boot
+            .local_ranks()
+            .iter()
+            .flat_map(|&r| all_cpus[r].chunks_exact(4))
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let oversubscribed = boot.local_ranks().len() > local_cpus.len().max(1);
         let via = |p: Path| -> Vec<usize> {
             (0..nranks)
                 .filter(|&r| r != rank && path(rank, r) == p)
@@ -517,6 +531,29 @@ impl Connections {
         match self.link(channel, peer) {
             Some(link) => link.ring_recv(),
             None => self.ring_peer(peer),
+        }
+    }
+
+    /// Before the engine looks at the FIFO from `peer` on `channel`: a TCP link of one
+    /// socket is read in line, without waking its receive proxy (see
+    /// [`TcpLink::read_in_line`]). Not when ranks outnumber cores: an engine that
+    /// yields its core reads only when it runs again, while a proxy woken by arriving
+    /// data runs at once (3 ranks on 2 cores over TCP, 8 B all-reduce: 70 µs with the
+    /// proxies reading against 99 µs in line).
+    pub fn read_in_line(&self, channel: usize, peer: usize) {
+        if self.oversubscribed {
+            return;
+        }
+        if let Some(link) = self.link(channel, peer) {
+            link.read_in_line();
+        }
+    }
+
+    /// Hands the reading of every TCP link back to its receive proxy (the engine is
+    /// about to sleep, or its call ended).
+    pub fn stop_reading(&self) {
+        for link in self.links.iter().flatten().flatten() {
+            link.stop_reading();
         }
     }
 

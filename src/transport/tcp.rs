@@ -174,8 +174,16 @@ struct Shared {
     /// `sendmsg` calls that carried more than one frame (for tests).
     #[cfg(test)]
     gathers: AtomicUsize,
+    /// Frames the engine read in line, and frames the receive proxies read (for tests).
+    #[cfg(test)]
+    frames_read: [AtomicU64; 2],
     /// Per thread: slots it has received its stripes of.
     received: Vec<AtomicU64>,
+    /// Per thread: where its reading is (held while reading).
+    receiving: Vec<Mutex<RecvCursor>>,
+    /// Set while the engine reads a link of one socket in line: its receive proxy then
+    /// stays off the socket, so arriving data wakes no one.
+    engine_reads: AtomicBool,
     /// Receive proxies that read `CLOSE` on all their sockets, and the cause they read.
     closed_threads: AtomicUsize,
     peer_cause: AtomicU32,
@@ -213,6 +221,47 @@ impl Shared {
         if moved {
             rank_bell.ring();
         }
+    }
+
+    /// Slot number `next` of the incoming FIFO, once the engine has handed it back.
+    fn incoming_slot(&self, next: u64) -> Option<*mut u8> {
+        let mut inc = lock(&self.incoming);
+        let ahead = (next - inc.committed) as u32;
+        inc.fifo.try_reserve_ahead(ahead)
+    }
+
+    /// Slot number `next` of the incoming FIFO, noting that it will hold `len` bytes.
+    fn fill_slot(&self, next: u64, len: usize) -> Option<*mut u8> {
+        let mut inc = lock(&self.incoming);
+        let ahead = (next - inc.committed) as u32;
+        let p = inc.fifo.try_reserve_ahead(ahead)?;
+        let n = inc.lens.len() as u64;
+        inc.lens[(next % n) as usize] = len;
+        Some(p)
+    }
+
+    /// After thread `t` read frames: publishes the slots every thread has filled, and
+    /// once all of the thread's sockets delivered `CLOSE`, records the peer's close
+    /// (the link is closed when every thread's sockets are).
+    fn after_reading(&self, t: usize, cur: &mut RecvCursor, rank_bell: &Bell) -> io::Result<()> {
+        self.received[t].store(cur.received(), Ordering::Release);
+        self.commit_received(rank_bell);
+        let Some(cause) = cur.closed()? else {
+            return Ok(());
+        };
+        if cur.reported {
+            return Ok(());
+        }
+        cur.reported = true;
+        self.peer_cause.store(cause, Ordering::SeqCst);
+        if self.closed_threads.fetch_add(1, Ordering::SeqCst) + 1 == self.striping.threads {
+            self.set_state(LinkState::Closed(match cause {
+                0 => Closed::ByOwner,
+                r => Closed::PeerFailed(r as usize - 1),
+            }));
+            rank_bell.ring_always();
+        }
+        Ok(())
     }
 
     /// Publishes every slot all receive proxies have filled.
@@ -338,7 +387,20 @@ impl TcpLink {
             split_frames: AtomicUsize::new(0),
             #[cfg(test)]
             gathers: AtomicUsize::new(0),
+            #[cfg(test)]
+            frames_read: Default::default(),
             received: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            receiving: (0..threads)
+                .map(|_| {
+                    Mutex::new(RecvCursor {
+                        socks: (0..striping.sockets_per_thread)
+                            .map(|_| RecvPos::default())
+                            .collect(),
+                        reported: false,
+                    })
+                })
+                .collect(),
+            engine_reads: AtomicBool::new(false),
             closed_threads: AtomicUsize::new(0),
             peer_cause: AtomicU32::new(0),
             striping,
@@ -430,9 +492,50 @@ impl TcpLink {
         sh.send_bell.ring();
     }
 
-    /// Wakes the receive proxies (the engine freed a slot).
+    /// Wakes the receive proxies (the engine freed a slot), unless the engine reads the
+    /// link itself: the proxy then needs no slot, and is woken when the engine stops.
     pub fn ring_recv(&self) {
-        self.shared.recv_bell.ring();
+        if !self.shared.engine_reads.load(Ordering::Relaxed) {
+            self.shared.recv_bell.ring();
+        }
+    }
+
+    /// The engine, about to look at the incoming FIFO: on a link of one socket, reads
+    /// in line what has arrived into free slots and publishes them, and keeps the
+    /// receive proxy off the socket until [`TcpLink::stop_reading`]. Arriving data then
+    /// wakes no thread: on 2 cores that saves a wake-up and a preemption of the engine
+    /// per burst of frames.
+    pub fn read_in_line(&self) {
+        let sh = &self.shared;
+        if sh.striping.sockets() != 1 || sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if !sh.engine_reads.load(Ordering::Relaxed) {
+            sh.engine_reads.store(true, Ordering::SeqCst);
+        }
+        let Some(mut cur) = try_lock(&sh.receiving[0]) else {
+            return;
+        };
+        #[cfg(test)]
+        let before = cur.received();
+        let result = pull(&self.streams[0], sh, 0, &mut cur.socks[0])
+            .and_then(|_| sh.after_reading(0, &mut cur, &self.rank_bell));
+        #[cfg(test)]
+        sh.frames_read[0].fetch_add(cur.received() - before, Ordering::Relaxed);
+        if let Err(e) = result {
+            sh.set_state(broken(e));
+            self.rank_bell.ring_always();
+        }
+    }
+
+    /// The engine stops reading in line (it is about to sleep, or its call ended): the
+    /// receive proxy takes the socket back.
+    pub fn stop_reading(&self) {
+        let sh = &self.shared;
+        if sh.engine_reads.load(Ordering::Relaxed) {
+            sh.engine_reads.store(false, Ordering::SeqCst);
+            sh.recv_bell.ring();
+        }
     }
 
     /// The link's state.
@@ -734,165 +837,275 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
     }
 }
 
-/// The next frame's header on one socket, as far as it has arrived.
+/// Where one socket's stream stands in the incoming FIFO.
 #[derive(Default)]
-struct NextHeader {
-    bytes: [u8; 8],
-    have: usize,
+struct RecvPos {
+    /// The frame being read: a slot number of the incoming FIFO.
+    next: u64,
+    /// The frame's header, as far as it has arrived.
+    header: [u8; 8],
+    header_got: usize,
+    /// Once the header is in: the slot's byte count, and bytes of this socket's stripe
+    /// read.
+    frame: Option<(usize, usize)>,
+    /// The cause `CLOSE` carried, once it came.
+    closed: Option<u32>,
 }
 
-impl NextHeader {
-    /// Reads the rest of the header (waiting for it) and takes it: `(kind, value)`.
-    fn take(&mut self, sock: &mut TcpStream) -> io::Result<(u32, u32)> {
-        sock.read_exact(&mut self.bytes[self.have..])?;
-        self.have = 0;
-        let h = &self.bytes;
-        Ok((
-            u32::from_le_bytes(h[..4].try_into().expect("4 bytes")),
-            u32::from_le_bytes(h[4..].try_into().expect("4 bytes")),
-        ))
+/// How far one helper thread's sockets have read (held while reading them).
+struct RecvCursor {
+    socks: Vec<RecvPos>,
+    /// Whether this thread's close was recorded.
+    reported: bool,
+}
+
+impl RecvCursor {
+    /// Frames every one of the thread's sockets has read in full.
+    fn received(&self) -> u64 {
+        self.socks.iter().map(|p| p.next).min().unwrap_or(0)
     }
-}
 
-/// Fills `buf` from `sock` (waiting for it) and, with the same system calls, reads as
-/// much of the next frame's header as has arrived: one call per frame instead of two.
-fn read_frame_data(sock: &mut TcpStream, buf: &mut [u8], next: &mut NextHeader) -> io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let mut iov = [
-            io::IoSliceMut::new(&mut buf[got..]),
-            io::IoSliceMut::new(&mut next.bytes[next.have..]),
-        ];
-        match sock.read_vectored(&mut iov) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => {
-                let data = n.min(buf.len() - got);
-                got += data;
-                next.have += n - data;
+    /// The peer's close cause once every socket delivered `CLOSE`; an error if they
+    /// closed after different slots or with different causes.
+    fn closed(&self) -> io::Result<Option<u32>> {
+        let first = &self.socks[0];
+        let Some(cause) = first.closed else {
+            return Ok(None);
+        };
+        for p in &self.socks[1..] {
+            match p.closed {
+                None => return Ok(None),
+                Some(c) if c == cause && p.next == first.next => {}
+                Some(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "sockets of one link closed after different slots",
+                    ));
+                }
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
         }
+        Ok(Some(cause))
     }
-    Ok(())
 }
 
-/// What a receive proxy ended with.
-enum Ending {
-    /// This side is closing.
-    Stopped,
-    /// Every socket of the thread delivered `CLOSE` with this cause.
-    PeerClosed(u32),
+/// Why [`pull`] stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pulled {
+    /// The socket has nothing more now.
+    Drained,
+    /// The next frame needs a slot the engine has not handed back yet.
+    FifoFull,
+    /// The peer sent `CLOSE`.
+    Closed,
 }
 
-/// Sockets → engine: helper thread `t` receives its stripes of every slot.
-fn recv_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
+/// Reads, without waiting, what socket `index` of the link has brought: frames into
+/// slots of the incoming FIFO (socket `index`'s stripe of each), each read also taking
+/// what has arrived of the next header, until the socket is drained, the FIFO has no
+/// free slot for the next frame, or `CLOSE` came. Returns whether anything was read,
+/// and why it stopped. The caller holds the cursor `pos` belongs to.
+fn pull(
+    sock: &TcpStream,
+    shared: &Shared,
+    index: usize,
+    pos: &mut RecvPos,
+) -> io::Result<(bool, Pulled)> {
+    use std::os::fd::AsRawFd;
     let nsocks = shared.striping.sockets();
-    let first = t * shared.striping.sockets_per_thread;
-    let mut headers: Vec<NextHeader> = socks.iter().map(|_| NextHeader::default()).collect();
-    let outcome: io::Result<Ending> = (|| {
-        let mut next: u64 = 0;
-        loop {
-            let mut slot: Option<*mut u8> = None;
-            for k in 0..socks.len() {
-                let (kind, value) = headers[k].take(&mut socks[k])?;
+    let mut moved = false;
+    loop {
+        if pos.closed.is_some() {
+            return Ok((moved, Pulled::Closed));
+        }
+        let Some((len, got)) = pos.frame else {
+            if pos.header_got == 8 {
+                pos.header_got = 0;
+                let h = &pos.header;
+                let kind = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
+                let value = u32::from_le_bytes(h[4..].try_into().expect("4 bytes"));
                 match kind {
                     FRAME_DATA if value as usize <= shared.slot_bytes => {
-                        let base = match slot {
-                            Some(p) => p,
-                            None => {
-                                let Some(p) = reserve(shared, next, value as usize) else {
-                                    return Ok(Ending::Stopped);
-                                };
-                                slot = Some(p);
-                                p
-                            }
-                        };
-                        let range = stripe(value as usize, first + k, nsocks);
-                        // SAFETY: the reserved slot has `slot_bytes >= value` bytes and
-                        // stays ours until every receive proxy filled its stripes of it;
-                        // the stripes of different sockets do not overlap.
-                        let buf = unsafe {
-                            std::slice::from_raw_parts_mut(base.add(range.start), range.len())
-                        };
-                        read_frame_data(&mut socks[k], buf, &mut headers[k])?;
+                        pos.frame = Some((value as usize, 0));
                     }
-                    FRAME_CLOSE if slot.is_none() => {
-                        // The others of this thread's sockets close after the same slots.
-                        for (sock, header) in socks[k + 1..].iter_mut().zip(&mut headers[k + 1..]) {
-                            if header.take(sock)? != (FRAME_CLOSE, value) {
-                                return Err(io::Error::new(
-                                    io::ErrorKind::InvalidData,
-                                    "sockets of one link closed after different slots",
-                                ));
-                            }
-                        }
-                        return Ok(Ending::PeerClosed(value));
-                    }
+                    FRAME_CLOSE => pos.closed = Some(value),
                     _ => {
                         return Err(io::Error::new(
                             io::ErrorKind::InvalidData,
-                            format!(
-                                "bad frame (kind {kind}, value {value}) on socket {}",
-                                first + k
-                            ),
+                            format!("bad frame (kind {kind}, value {value}) on socket {index}"),
                         ));
                     }
                 }
+                continue;
             }
-            next += 1;
-            shared.received[t].store(next, Ordering::Release);
-            shared.commit_received(rank_bell);
+            // No slot free: leave the header in the socket, to be read with the data.
+            if shared.incoming_slot(pos.next).is_none() {
+                return Ok((moved, Pulled::FifoFull));
+            }
+            let header = &mut pos.header[pos.header_got..];
+            // SAFETY: reads into the unfilled part of the header, which outlives the
+            // call; the socket is open while `sock` is borrowed.
+            let n = unsafe {
+                libc::recv(
+                    sock.as_raw_fd(),
+                    header.as_mut_ptr() as *mut libc::c_void,
+                    header.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match received(n)? {
+                Some(n) => {
+                    pos.header_got += n;
+                    moved = true;
+                }
+                None => return Ok((moved, Pulled::Drained)),
+            }
+            continue;
+        };
+        let Some(slot) = shared.fill_slot(pos.next, len) else {
+            return Ok((moved, Pulled::FifoFull));
+        };
+        let range = stripe(len, index, nsocks);
+        if got == range.len() {
+            pos.next += 1;
+            pos.frame = None;
+            moved = true;
+            continue;
         }
-    })();
-    if shared.stop.load(Ordering::SeqCst) {
-        return;
+        let header = &mut pos.header[pos.header_got..];
+        let mut iov = [
+            libc::iovec {
+                // SAFETY: `range.start + got < range.end <= len <= slot_bytes`: inside
+                // the slot, which stays this side's until committed.
+                iov_base: unsafe { slot.add(range.start + got) } as *mut libc::c_void,
+                iov_len: range.len() - got,
+            },
+            libc::iovec {
+                iov_base: header.as_mut_ptr() as *mut libc::c_void,
+                iov_len: header.len(),
+            },
+        ];
+        // SAFETY: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: the iovecs point at the rest of this socket's stripe of a reserved
+        // slot (no other socket writes that range) and at the header, both writable for
+        // their lengths; the socket is open while `sock` is borrowed.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+        match received(n)? {
+            Some(n) => {
+                let data = n.min(range.len() - got);
+                pos.frame = Some((len, got + data));
+                pos.header_got += n - data;
+                moved = true;
+            }
+            None => return Ok((moved, Pulled::Drained)),
+        }
     }
-    let state = match outcome {
-        Ok(Ending::Stopped) => return,
-        Ok(Ending::PeerClosed(cause)) => {
-            shared.peer_cause.store(cause, Ordering::SeqCst);
-            if shared.closed_threads.fetch_add(1, Ordering::SeqCst) + 1 < shared.striping.threads {
-                return;
-            }
-            LinkState::Closed(match shared.peer_cause.load(Ordering::SeqCst) {
-                0 => Closed::ByOwner,
-                r => Closed::PeerFailed(r as usize - 1),
-            })
-        }
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-            LinkState::Broken("the connection was closed without a goodbye".into())
-        }
-        Err(e) => LinkState::Broken(format!("the connection failed: {e}")),
-    };
-    shared.set_state(state);
-    rank_bell.ring_always();
 }
 
-/// Waits for slot number `next` of the incoming FIFO to be free and notes its byte
-/// count; `None` if this side closes meanwhile.
-fn reserve(shared: &Shared, next: u64, len: usize) -> Option<*mut u8> {
-    let try_once = || {
-        let mut inc = lock(&shared.incoming);
-        let ahead = (next - inc.committed) as u32;
-        let p = inc.fifo.try_reserve_ahead(ahead)?;
-        let n = inc.lens.len() as u64;
-        inc.lens[(next % n) as usize] = len;
-        Some(p)
-    };
-    loop {
-        if let Some(p) = try_once() {
-            return Some(p);
+/// A `recv` result: the bytes read, `None` when nothing was there to read, an error for
+/// end-of-file (the peer is gone without a goodbye) or a failure.
+fn received(n: isize) -> io::Result<Option<usize>> {
+    match n {
+        0 => Err(io::ErrorKind::UnexpectedEof.into()),
+        n if n > 0 => Ok(Some(n as usize)),
+        _ => {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+                _ => Err(e),
+            }
         }
-        if shared.stop.load(Ordering::SeqCst) {
-            return None;
+    }
+}
+
+/// The state of a link whose reading failed with `e`.
+fn broken(e: io::Error) -> LinkState {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        LinkState::Broken("the connection was closed without a goodbye".into())
+    } else {
+        LinkState::Broken(format!("the connection failed: {e}"))
+    }
+}
+
+/// Sockets → engine: helper thread `t` reads its stripes of every slot, unless the
+/// engine reads the link in line. It never waits inside a socket: it `poll`s its
+/// sockets for data, or sleeps on the link's bell while the FIFO is full or the engine
+/// reads.
+fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell) {
+    use std::os::fd::AsRawFd;
+    let first = t * shared.striping.sockets_per_thread;
+    let in_line = shared.striping.sockets() == 1;
+    let outcome: io::Result<()> = (|| {
+        loop {
+            if shared.stop.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            let wait_for_bell = if in_line && shared.engine_reads.load(Ordering::SeqCst) {
+                true
+            } else {
+                let mut cur = lock(&shared.receiving[t]);
+                if cur.reported {
+                    return Ok(());
+                }
+                #[cfg(test)]
+                let before = cur.received();
+                let (mut moved, mut full) = (false, false);
+                let mut empty = Vec::new();
+                for (k, sock) in socks.iter().enumerate() {
+                    let (m, why) = pull(sock, shared, first + k, &mut cur.socks[k])?;
+                    moved |= m;
+                    match why {
+                        Pulled::Drained => empty.push(libc::pollfd {
+                            fd: sock.as_raw_fd(),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        }),
+                        Pulled::FifoFull => full = true,
+                        Pulled::Closed => {}
+                    }
+                }
+                shared.after_reading(t, &mut cur, rank_bell)?;
+                #[cfg(test)]
+                shared.frames_read[1].fetch_add(cur.received() - before, Ordering::Relaxed);
+                drop(cur);
+                if moved {
+                    continue;
+                }
+                if !empty.is_empty() {
+                    // Wait for data. A socket that is ahead of the others waits for a
+                    // slot as well, which comes only once the others' data has: look
+                    // again soon.
+                    let ms = if full { 1 } else { 100 };
+                    // SAFETY: `empty` is a valid array of pollfd of the length given.
+                    unsafe { libc::poll(empty.as_mut_ptr(), empty.len() as libc::nfds_t, ms) };
+                    continue;
+                }
+                true
+            };
+            if wait_for_bell {
+                // The engine reads, or has a slot to hand back: it rings when either
+                // changes.
+                let seq = shared.recv_bell.prepare_sleep();
+                let changed = !(in_line && shared.engine_reads.load(Ordering::SeqCst))
+                    && lock(&shared.receiving[t])
+                        .socks
+                        .iter()
+                        .any(|p| shared.incoming_slot(p.next).is_some());
+                if changed || shared.stop.load(Ordering::SeqCst) {
+                    shared.recv_bell.cancel_sleep();
+                    continue;
+                }
+                shared.recv_bell.sleep(seq, Duration::from_millis(100));
+            }
         }
-        let seq = shared.recv_bell.prepare_sleep();
-        if let Some(p) = try_once() {
-            shared.recv_bell.cancel_sleep();
-            return Some(p);
-        }
-        shared.recv_bell.sleep(seq, Duration::from_millis(100));
+    })();
+    if let Err(e) = outcome
+        && !shared.stop.load(Ordering::SeqCst)
+    {
+        shared.set_state(broken(e));
+        rank_bell.ring_always();
     }
 }
 
@@ -1073,9 +1286,11 @@ mod tests {
     }
 
     /// Sends 300 slots of varied lengths over a link striped as `striping`, through a
-    /// reader that pauses, and checks every byte; returns the sending side's shared
-    /// state for the caller's assertions about how the frames went.
-    fn deliver_through_a_slow_reader(striping: Striping) -> Arc<Shared> {
+    /// reader that pauses, and checks every byte. The reader reads the link in line as
+    /// the engine does, and before each pause hands it back to its proxy, as an engine
+    /// going to sleep does. Returns the sending and the receiving side's shared state,
+    /// for the caller's assertions about how the frames went.
+    fn deliver_through_a_slow_reader(striping: Striping) -> (Arc<Shared>, Arc<Shared>) {
         let (a, b) = socket_pairs(striping.sockets());
         let g = Geometry {
             slots: 4,
@@ -1111,6 +1326,7 @@ mod tests {
         });
         for i in 0..count {
             let (p, len) = loop {
+                link_b.read_in_line();
                 if let Some(got) = rx.try_peek() {
                     break got;
                 }
@@ -1124,17 +1340,25 @@ mod tests {
             rx.release();
             link_b.ring_recv();
             if i % 16 == 0 {
+                link_b.stop_reading();
                 std::thread::sleep(Duration::from_millis(2));
             }
         }
         let link_a = writer.join().unwrap();
         assert_eq!(link_a.state(), LinkState::Up);
-        link_a.shared.clone()
+        assert_eq!(link_b.state(), LinkState::Up);
+        let read = &link_b.shared.frames_read;
+        assert_eq!(
+            read[0].load(Ordering::Relaxed) + read[1].load(Ordering::Relaxed),
+            (count * striping.threads) as u64,
+            "frames read in line and by the proxies (each thread reads its stripes of all)"
+        );
+        (link_a.shared.clone(), link_b.shared.clone())
     }
 
     #[test]
     fn a_one_socket_link_delivers_frames_the_engine_and_its_proxy_share() {
-        let sent = deliver_through_a_slow_reader(Striping::default());
+        let (sent, received) = deliver_through_a_slow_reader(Striping::default());
         let split = sent.split_frames.load(Ordering::Relaxed);
         assert!(
             split > 0,
@@ -1144,14 +1368,21 @@ mod tests {
             sent.gathers.load(Ordering::Relaxed) > 0,
             "no sendmsg carried more than one frame"
         );
+        let [in_line, by_proxy] = &received.frames_read;
+        assert!(
+            in_line.load(Ordering::Relaxed) > 0 && by_proxy.load(Ordering::Relaxed) > 0,
+            "frames read in line {in_line:?}, by the proxy {by_proxy:?}: both should read"
+        );
     }
 
     #[test]
     fn a_striped_link_delivers_frames_each_socket_sends_at_its_own_pace() {
-        let sent = deliver_through_a_slow_reader(Striping {
+        let (sent, received) = deliver_through_a_slow_reader(Striping {
             threads: 2,
             sockets_per_thread: 2,
         });
+        // Striped links are read by their proxies only.
+        assert_eq!(received.frames_read[0].load(Ordering::Relaxed), 0);
         assert!(
             sent.gathers.load(Ordering::Relaxed) > 0,
             "no sendmsg carried more than one frame"
