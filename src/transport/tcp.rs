@@ -1046,9 +1046,6 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
                 true
             } else {
                 let mut cur = lock(&shared.receiving[t]);
-                if cur.reported {
-                    return Ok(());
-                }
                 #[cfg(test)]
                 let before = cur.received();
                 let (mut moved, mut full) = (false, false);
@@ -1069,6 +1066,10 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
                 shared.after_reading(t, &mut cur, rank_bell)?;
                 #[cfg(test)]
                 shared.frames_read[1].fetch_add(cur.received() - before, Ordering::Relaxed);
+                if cur.reported {
+                    // Every socket of this thread delivered CLOSE.
+                    return Ok(());
+                }
                 drop(cur);
                 if moved {
                     continue;
