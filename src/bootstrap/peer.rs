@@ -128,6 +128,15 @@ pub fn hostname() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// The running kernel's boot id (`/proc/sys/kernel/random/boot_id`; empty if unknown):
+/// processes with the same one share this machine's CPUs, whatever `FERROCCL_HOSTID`
+/// says.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// What identifies this host: `FERROCCL_HOSTID` if set (to split one machine into
 /// several "hosts", e.g. one per network namespace in tests, or to merge), else the
 /// hostname and the kernel's boot id (`/proc/sys/kernel/random/boot_id`), so that two
@@ -138,10 +147,7 @@ pub fn host_id() -> String {
     {
         return id;
     }
-    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    format!("{}:{boot_id}", hostname())
+    format!("{}:{}", hostname(), boot_id())
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use crate::transport::bell::Closed;
 use crate::transport::{Connections, PeerState, Protocol};
 
 /// Sweeps without progress spent spinning, then yielding, before sleeping, when every
-/// rank of this host can have a core of its own: a reply from another core arrives
+/// rank of this machine can have a core of its own: a reply from another core arrives
 /// within the spin.
 const DEDICATED_WAIT: (u32, u32) = (64, 16);
 /// The same when ranks outnumber cores: spinning would only keep the rank being waited

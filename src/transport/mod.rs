@@ -104,7 +104,7 @@ pub struct Connections {
     own_bell: Arc<Bell>,
     geometry: Geometry,
     ll: Option<Geometry>,
-    /// More ranks on this host than cores to run them.
+    /// More ranks on this machine than CPUs they may use (see [`oversubscribed`]).
     oversubscribed: bool,
 }
 
@@ -380,24 +380,17 @@ impl Connections {
             let seg = Segment::open(kind, &name, g.segment_bytes())?;
             sends[g.protocol.index()][ci][to] = Some(fifo::send_end(seg, g, &name)?);
         }
-        // Every rank says which CPUs it may run on (this also waits for every rank to
-        // have opened its FIFOs). The ranks of this host oversubscribe it when they
-        // outnumber the CPUs they may use between them: ranks bound to a CPU each do
-        // not, ranks all confined to one CPU do.
-        let cpus: Vec<u8> = crate::launch::available_cpus()
-            .unwrap_or_default()
-            .iter()
-            .flat_map(|&c| (c as u32).to_le_bytes())
-            .collect();
-        let all_cpus = boot.all_gather(&cpus)?;
+        // Every rank says which machine it runs on and which of its CPUs it may use
+        // (this also waits for every rank to have opened its FIFOs).
+        let machine = crate::bootstrap::boot_id();
+        let mut facts = vec![machine.len().min(255) as u8];
+        facts.extend_from_slice(&machine.as_bytes()[..machine.len().min(255)]);
+        for cpu in crate::launch::available_cpus().unwrap_or_default() {
+            facts.extend_from_slice(&(cpu as u32).to_le_bytes());
+        }
+        let all_facts = boot.all_gather(&facts)?;
         drop(created);
-        let local_cpus: std::collections::BTreeSet<u32> = boot
-            .local_ranks()
-            .iter()
-            .flat_map(|&r| all_cpus[r].chunks_exact(4))
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect();
-        let oversubscribed = boot.local_ranks().len() > local_cpus.len().max(1);
+        let oversubscribed = oversubscribed(&all_facts, &facts);
         let via = |p: Path| -> Vec<usize> {
             (0..nranks)
                 .filter(|&r| r != rank && path(rank, r) == p)
@@ -467,8 +460,8 @@ impl Connections {
         }
     }
 
-    /// Whether this host runs more ranks than it has cores (waiting then yields the core
-    /// instead of spinning).
+    /// Whether this machine runs more ranks than they have CPUs (waiting then yields the
+    /// core instead of spinning, and TCP links are read by their proxies only).
     pub fn oversubscribed(&self) -> bool {
         self.oversubscribed
     }
@@ -620,10 +613,70 @@ impl Connections {
     }
 }
 
+/// Whether the ranks sharing this rank's machine (same boot id, whatever hosts they
+/// count as; `facts` as gathered: boot id length, boot id, then the CPUs each may use)
+/// outnumber the CPUs they may use between them. Ranks bound to a CPU each do not;
+/// ranks confined to one CPU do, and so do ranks of simulated hosts (network
+/// namespaces) sharing one machine.
+fn oversubscribed(all_facts: &[Vec<u8>], mine: &[u8]) -> bool {
+    let machine = |f: &[u8]| -> Vec<u8> {
+        let n = f.first().map_or(0, |&n| n as usize);
+        f.get(..1 + n).map_or_else(Vec::new, <[u8]>::to_vec)
+    };
+    let here = machine(mine);
+    let mut cpus = std::collections::BTreeSet::new();
+    let mut ranks = 0;
+    for f in all_facts.iter().filter(|f| machine(f) == here) {
+        ranks += 1;
+        let list = f.get(here.len()..).unwrap_or_default();
+        cpus.extend(
+            list.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))),
+        );
+    }
+    ranks > cpus.len().max(1)
+}
+
 impl Drop for Connections {
     fn drop(&mut self) {
         if self.bell.closed() == Closed::Open {
             self.close(Closed::ByOwner);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::oversubscribed;
+
+    /// What a rank says at establishment: its machine's boot id and its CPUs.
+    fn facts(machine: &str, cpus: &[u32]) -> Vec<u8> {
+        let mut f = vec![machine.len() as u8];
+        f.extend_from_slice(machine.as_bytes());
+        for c in cpus {
+            f.extend_from_slice(&c.to_le_bytes());
+        }
+        f
+    }
+
+    #[test]
+    fn ranks_oversubscribe_a_machine_when_they_outnumber_its_cpus_they_may_use() {
+        let all =
+            |v: &[(&str, &[u32])]| -> Vec<Vec<u8>> { v.iter().map(|(m, c)| facts(m, c)).collect() };
+        // Two ranks bound to a CPU each: a core each.
+        let bound = all(&[("a", &[0]), ("a", &[1])]);
+        assert!(!oversubscribed(&bound, &bound[0]));
+        // Both on the same CPU, or three on two.
+        let shared = all(&[("a", &[0]), ("a", &[0])]);
+        assert!(oversubscribed(&shared, &shared[1]));
+        let three = all(&[("a", &[0, 1]), ("a", &[0, 1]), ("a", &[0, 1])]);
+        assert!(oversubscribed(&three, &three[2]));
+        // Ranks on other machines do not count, whatever their CPUs.
+        let two_machines = all(&[("a", &[0, 1]), ("a", &[0, 1]), ("b", &[0, 1]), ("b", &[0])]);
+        assert!(!oversubscribed(&two_machines, &two_machines[0]));
+        assert!(!oversubscribed(&two_machines, &two_machines[3]));
+        // Unknown CPUs count as one.
+        let unknown = all(&[("a", &[]), ("a", &[])]);
+        assert!(oversubscribed(&unknown, &unknown[0]));
     }
 }
