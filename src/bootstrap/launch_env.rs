@@ -50,6 +50,9 @@ pub struct LaunchEnv {
     /// `TORCHELASTIC_USE_AGENT_STORE=True`, which `ferrorun` sets too), so rank 0 must
     /// connect to it rather than start one.
     pub agent_store: bool,
+    /// This node's index among the job's nodes (`GROUP_RANK`, set by torchrun and
+    /// `ferrorun`), when known. With an agent store, node 0's launcher runs it.
+    pub group_rank: Option<usize>,
 }
 
 impl LaunchEnv {
@@ -152,6 +155,7 @@ impl LaunchEnv {
         };
         let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+        let group_rank = number("GROUP_RANK")?;
 
         let env = LaunchEnv {
             launcher,
@@ -162,6 +166,7 @@ impl LaunchEnv {
             master_addr,
             master_port,
             agent_store,
+            group_rank,
         };
         env.validate()?;
         Ok(env)
@@ -305,6 +310,26 @@ mod tests {
         assert_eq!((env.local_rank, env.local_world_size), (1, 4));
         assert_eq!(env.store_addr(), "10.0.0.1:1234");
         assert!(!env.agent_store);
+        assert_eq!(env.group_rank, None);
+        let env = read(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("GROUP_RANK", "1"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ])
+        .unwrap();
+        assert!(env.agent_store);
+        assert_eq!(env.group_rank, Some(1));
+        let bad = read(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("GROUP_RANK", "x"),
+        ]);
+        assert!(bad.unwrap_err().to_string().contains("GROUP_RANK"));
     }
 
     #[test]

@@ -91,8 +91,10 @@ pub struct Bootstrap {
     peers: Vec<PeerInfo>,
     /// Sequence number of the next rendezvous; every rank calls them in the same order.
     next_seq: AtomicU64,
-    /// Whether the store server runs in this process (and dies with it).
-    hosts_store: bool,
+    /// Whether the store server may end when this rank does: it runs in this process,
+    /// or in the launcher of this node (node 0 under an agent store), which exits once
+    /// its ranks have. Such a rank leaves a round only after every rank has.
+    store_ends_with_rank: bool,
     /// `host:port` of the store server, when known: the interface on the route to it is
     /// the one peers on other hosts can reach this rank through.
     store_addr: Option<String>,
@@ -129,7 +131,7 @@ impl Bootstrap {
         rank: usize,
         world_size: usize,
         options: &BootstrapOptions,
-        hosts_store: bool,
+        store_ends_with_rank: bool,
     ) -> Result<Self> {
         if world_size == 0 {
             return Err(Error::invalid(
@@ -150,7 +152,7 @@ impl Bootstrap {
             timeout: options.timeout,
             peers: Vec::new(),
             next_seq: AtomicU64::new(0),
-            hosts_store,
+            store_ends_with_rank,
             store_addr: None,
         };
         boot.peers = boot.exchange_peer_info(&me)?;
@@ -170,7 +172,7 @@ impl Bootstrap {
         world_size: usize,
         options: &BootstrapOptions,
     ) -> Result<Self> {
-        let mut boot = Self::join(store, rank, world_size, options, self.hosts_store)?;
+        let mut boot = Self::join(store, rank, world_size, options, self.store_ends_with_rank)?;
         boot.store_addr = self.store_addr.clone();
         Ok(boot)
     }
@@ -208,6 +210,7 @@ impl Bootstrap {
             connect_timeout: options.timeout,
         };
         let hosts_store = env.rank == 0 && !env.agent_store;
+        let store_ends_with_rank = hosts_store || (env.agent_store && env.group_rank == Some(0));
         let client = if hosts_store {
             let any: IpAddr = if env.master_addr.parse::<std::net::Ipv6Addr>().is_ok() {
                 std::net::Ipv6Addr::UNSPECIFIED.into()
@@ -239,7 +242,7 @@ impl Bootstrap {
             env.rank,
             env.world_size,
             options,
-            hosts_store,
+            store_ends_with_rank,
         )?;
         boot.store_addr = Some(env.store_addr());
         Ok((boot, env))
@@ -381,7 +384,7 @@ impl Bootstrap {
         let Ok(mut count) = self.store.add(&key, 1) else {
             return;
         };
-        if !self.hosts_store {
+        if !self.store_ends_with_rank {
             return;
         }
         let deadline = Instant::now() + self.timeout.min(MAX_HOST_LINGER);
@@ -435,17 +438,19 @@ impl Bootstrap {
         self.depart_round(seq)
     }
 
-    /// Records that this rank has seen round `seq` complete. The rank whose process hosts
-    /// the store waits until every rank has: otherwise, when a round is a job's last, it
-    /// could exit (taking the store with it) while a slower rank is still waiting to see
-    /// the round complete, and that rank would fail with "connection reset".
+    /// Records that this rank has seen round `seq` complete. A rank whose end can end the
+    /// store (its process hosts it, or its node's launcher does) waits until every rank
+    /// has: otherwise, when a round is a job's last, it could exit (taking the store with
+    /// it) while a slower rank is still on its way through the round, and that rank would
+    /// fail with "connection reset" (seen with `ferrorun` on two nodes: a node-1 rank's
+    /// last `add` met node 0's launcher already gone).
     fn depart_round(&self, seq: u64) -> Result<()> {
         let counter = format!("departed/{seq}");
         let all_gone = format!("departed/{seq}/all");
         if self.store.add(&counter, 1)? == self.world_size as i64 {
             self.store.set(&all_gone, b"")?;
         }
-        if self.hosts_store {
+        if self.store_ends_with_rank {
             // The two keys stay: several ranks of one process may all be hosts, and a
             // host that deleted them could strand another still about to wait.
             self.store.wait(&[&all_gone], self.timeout)?;
