@@ -382,7 +382,10 @@ impl Connections {
         }
         // Every rank says which machine it runs on and which of its CPUs it may use
         // (this also waits for every rank to have opened its FIFOs).
-        let machine = crate::bootstrap::boot_id();
+        // Without a boot id, the host id (hostname, or FERROCCL_HOSTID) is the best guess.
+        let machine = Some(crate::bootstrap::boot_id())
+            .filter(|id| !id.is_empty())
+            .unwrap_or_else(crate::bootstrap::host_id);
         let mut facts = vec![machine.len().min(255) as u8];
         facts.extend_from_slice(&machine.as_bytes()[..machine.len().min(255)]);
         for cpu in crate::launch::available_cpus().unwrap_or_default() {

@@ -810,13 +810,25 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
             }
             shared.send_bell.sleep(seq, Duration::from_millis(100));
         }
-        // Frames already started must be finished before CLOSE.
+        // CLOSE must follow the same slots on every socket (the receiver checks): bring
+        // each socket to the frame boundary the furthest one reached. Those slots stay
+        // committed until every socket has passed them.
         let mut cur = lock(&shared.sending[t]);
+        let target = cur
+            .socks
+            .iter()
+            .map(|p| p.next + u64::from(p.done > 0))
+            .max()
+            .unwrap_or(0);
         for (k, sock) in socks.iter().enumerate() {
-            while cur.socks[k].done > 0 {
-                // Only the frame started: its slot stays committed until it is sent.
-                if send_gathered(sock, shared, first + k, &mut cur.socks[k], 1, false)? == 0 {
-                    break;
+            let pos = &mut cur.socks[k];
+            while pos.next < target {
+                let frames = (target - pos.next) as usize;
+                match send_gathered(sock, shared, first + k, pos, frames, false) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
                 }
             }
         }
@@ -937,10 +949,8 @@ fn pull(
                 }
                 continue;
             }
-            // No slot free: leave the header in the socket, to be read with the data.
-            if shared.incoming_slot(pos.next).is_none() {
-                return Ok((moved, Pulled::FifoFull));
-            }
+            // Read the header even when no slot is free: it may be CLOSE, which needs
+            // none (a peer that fills the FIFO and then aborts is still heard).
             let header = &mut pos.header[pos.header_got..];
             // SAFETY: reads into the unfilled part of the header, which outlives the
             // call; the socket is open while `sock` is borrowed.
@@ -1093,7 +1103,7 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
                     && lock(&shared.receiving[t])
                         .socks
                         .iter()
-                        .any(|p| shared.incoming_slot(p.next).is_some());
+                        .any(|p| p.closed.is_none() && shared.incoming_slot(p.next).is_some());
                 if changed || shared.stop.load(Ordering::SeqCst) {
                     shared.recv_bell.cancel_sleep();
                     continue;
@@ -1388,6 +1398,55 @@ mod tests {
             sent.gathers.load(Ordering::Relaxed) > 0,
             "no sendmsg carried more than one frame"
         );
+    }
+
+    /// The peer fills this side's FIFO, which nobody empties, then aborts: its CLOSE
+    /// (which needs no slot) must still be heard, naming the rank that failed.
+    fn abort_behind_a_full_fifo_is_heard(striping: Striping) {
+        let (a, b) = socket_pairs(striping.sockets());
+        let g = Geometry {
+            slots: 4,
+            slot_bytes: 4096,
+            protocol: super::super::Protocol::Simple,
+        };
+        let start = |s: Vec<TcpStream>, tag: &str| {
+            let bell = Arc::new(private_bell(tag).unwrap());
+            TcpLink::start(s, striping, g, bell, tag, Duration::from_secs(10)).unwrap()
+        };
+        let (mut link_a, mut tx, _rx_a) = start(a, "a");
+        let (link_b, _tx_b, mut rx) = start(b, "b");
+        for i in 0..g.slots {
+            let slot = tx.try_reserve().expect("a free slot");
+            let m = slot_message(i, g.slot_bytes);
+            // SAFETY: the reserved slot holds `slot_bytes` bytes until commit.
+            unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
+            tx.commit(m.len());
+            link_a.ring_send();
+        }
+        // Wait until B's FIFO is full, then abort A as a rank does when rank 3 failed.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while rx.try_peek_ahead(g.slots as u32 - 1).is_none() {
+            assert!(Instant::now() < deadline, "the slots never arrived");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        link_a.close(Closed::PeerFailed(3));
+        while link_b.state() == LinkState::Up {
+            assert!(
+                Instant::now() < deadline,
+                "{striping:?}: the CLOSE behind a full FIFO was never read"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(link_b.state(), LinkState::Closed(Closed::PeerFailed(3)));
+    }
+
+    #[test]
+    fn an_abort_behind_a_full_fifo_is_heard() {
+        abort_behind_a_full_fifo_is_heard(Striping::default());
+        abort_behind_a_full_fifo_is_heard(Striping {
+            threads: 2,
+            sockets_per_thread: 2,
+        });
     }
 
     #[test]
