@@ -223,20 +223,16 @@ impl Shared {
         }
     }
 
-    /// Slot number `next` of the incoming FIFO, once the engine has handed it back.
-    fn incoming_slot(&self, next: u64) -> Option<*mut u8> {
-        let mut inc = lock(&self.incoming);
-        let ahead = (next - inc.committed) as u32;
-        inc.fifo.try_reserve_ahead(ahead)
-    }
-
-    /// Slot number `next` of the incoming FIFO, noting that it will hold `len` bytes.
-    fn fill_slot(&self, next: u64, len: usize) -> Option<*mut u8> {
+    /// Slot number `next` of the incoming FIFO, once the engine has handed it back;
+    /// with `len`, notes that the slot will hold that many bytes.
+    fn incoming_slot(&self, next: u64, len: Option<usize>) -> Option<*mut u8> {
         let mut inc = lock(&self.incoming);
         let ahead = (next - inc.committed) as u32;
         let p = inc.fifo.try_reserve_ahead(ahead)?;
-        let n = inc.lens.len() as u64;
-        inc.lens[(next % n) as usize] = len;
+        if let Some(len) = len {
+            let n = inc.lens.len() as u64;
+            inc.lens[(next % n) as usize] = len;
+        }
         Some(p)
     }
 
@@ -689,10 +685,7 @@ fn send_gathered(
             iov_len: len - d,
         };
     }
-    // SAFETY: an all-zero msghdr is valid (no name, no control data).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = (2 * frames) as _;
+    let msg = message(&mut iov[..2 * frames]);
     let flags = libc::MSG_NOSIGNAL | if dontwait { libc::MSG_DONTWAIT } else { 0 };
     // SAFETY: the iovecs point at `headers`, which outlives the call, and at committed
     // slots that stay readable until released, which needs `pos` (the caller's) to pass
@@ -719,8 +712,18 @@ fn send_gathered(
     Ok(n as usize)
 }
 
-/// Waits up to `timeout` until one of `fds` can take more data.
-fn wait_writable(fds: &mut [libc::pollfd], timeout: Duration) {
+/// A `sendmsg`/`recvmsg` header for the buffers `iov` points at (no address, no
+/// control data); valid while `iov` is.
+fn message(iov: &mut [libc::iovec]) -> libc::msghdr {
+    // SAFETY: an all-zero msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    msg
+}
+
+/// Waits up to `timeout` until one of `fds` is ready for the events it asks for.
+fn wait_ready(fds: &mut [libc::pollfd], timeout: Duration) {
     // SAFETY: `fds` is a valid array of pollfd of the length given.
     unsafe {
         libc::poll(
@@ -797,7 +800,7 @@ fn send_proxy(t: usize, mut socks: Vec<TcpStream>, shared: &Shared, rank_bell: &
             }
             drop(cur);
             if !full.is_empty() {
-                wait_writable(&mut full, Duration::from_millis(100));
+                wait_ready(&mut full, Duration::from_millis(100));
                 continue;
             }
             if stopping && !pending() {
@@ -971,7 +974,7 @@ fn pull(
             }
             continue;
         };
-        let Some(slot) = shared.fill_slot(pos.next, len) else {
+        let Some(slot) = shared.incoming_slot(pos.next, Some(len)) else {
             return Ok((moved, Pulled::FifoFull));
         };
         let range = stripe(len, index, nsocks);
@@ -994,10 +997,7 @@ fn pull(
                 iov_len: header.len(),
             },
         ];
-        // SAFETY: an all-zero msghdr is valid (no name, no control data).
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = iov.len() as _;
+        let mut msg = message(&mut iov);
         // SAFETY: the iovecs point at the rest of this socket's stripe of a reserved
         // slot (no other socket writes that range) and at the header, both writable for
         // their lengths; the socket is open while `sock` is borrowed.
@@ -1089,8 +1089,7 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
                     // slot as well, which comes only once the others' data has: look
                     // again soon.
                     let ms = if full { 1 } else { 100 };
-                    // SAFETY: `empty` is a valid array of pollfd of the length given.
-                    unsafe { libc::poll(empty.as_mut_ptr(), empty.len() as libc::nfds_t, ms) };
+                    wait_ready(&mut empty, Duration::from_millis(ms));
                     continue;
                 }
                 true
@@ -1100,10 +1099,9 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
                 // changes.
                 let seq = shared.recv_bell.prepare_sleep();
                 let changed = !(in_line && shared.engine_reads.load(Ordering::SeqCst))
-                    && lock(&shared.receiving[t])
-                        .socks
-                        .iter()
-                        .any(|p| p.closed.is_none() && shared.incoming_slot(p.next).is_some());
+                    && lock(&shared.receiving[t]).socks.iter().any(|p| {
+                        p.closed.is_none() && shared.incoming_slot(p.next, None).is_some()
+                    });
                 if changed || shared.stop.load(Ordering::SeqCst) {
                     shared.recv_bell.cancel_sleep();
                     continue;
