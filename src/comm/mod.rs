@@ -820,8 +820,9 @@ impl Communicator {
                     .zip(&choices)
                     .map(|(raw, &c)| self.plan_with(raw, c))
                     .collect::<Result<Vec<_>>>()?;
+                // Each plan has one operation, 0, before fusing renumbers them.
+                let scratch_elems = plans.iter().map(|p| p.scratch_elems(0)).collect();
                 let fused = Plan::fuse(plans)?;
-                let scratch_elems = (0..raws.len()).map(|i| fused.scratch_elems(i)).collect();
                 (Some(fused), "group", choices, scratch_elems)
             }
         };

@@ -923,17 +923,25 @@ impl RingView<'_> {
     fn prev(&self) -> usize {
         self.ring[(self.pos + self.n() - 1) % self.n()]
     }
+    /// Where `rank` sits on this ring.
+    fn position_of(&self, rank: usize) -> usize {
+        self.ring
+            .iter()
+            .position(|&r| r == rank)
+            .expect("every rank is on every ring")
+    }
     /// The rank `back` positions before this one (wrapping).
     fn before(&self, back: usize) -> usize {
         let n = self.n();
         self.ring[(self.pos + n - back % n) % n]
     }
 
-    /// Step `q` of a chain of reductions along the ring (more than one rank): the
-    /// first sends its contribution `src` on, the middle ones add theirs and pass the
-    /// sum on, the last completes it into `dst`.
+    /// Step `q` of a chain of reductions along the ring: the first sends its
+    /// contribution `src` on, the middle ones add theirs and pass the sum on, the last
+    /// completes it into `dst`. A ring of one rank copies `src` to `dst`.
     fn chain_reduce_step(&self, q: usize, src: Region, dst: Region) -> Step {
         match q {
+            _ if self.n() == 1 => Step::Copy { src, dst },
             0 => Step::Send {
                 to: self.next(),
                 src,
@@ -997,9 +1005,8 @@ impl Builder<'_> {
                         let (off, l) = split_even(it_len, n, q);
                         (base + off, l)
                     };
-                    let pos_of = |rank: usize| v.ring.iter().position(|&r| r == rank).unwrap();
                     for s in 0..=2 * (n - 1) {
-                        let (off, l) = piece(pos_of(v.before(s)));
+                        let (off, l) = piece(v.position_of(v.before(s)));
                         let (src, dst) = (Region::input(off, l), Region::output(off, l));
                         steps.push(match s {
                             0 => Step::Send { to: next, src },
@@ -1178,13 +1185,6 @@ impl Builder<'_> {
     fn ring_reduce_scatter(&self) -> Vec<Lane> {
         let (n, count) = (self.nranks, self.count);
         self.lanes_by_chunk(|v, off, l, steps| {
-            if n == 1 {
-                steps.push(Step::Copy {
-                    src: Region::input(off, l),
-                    dst: Region::output(off, l),
-                });
-                return;
-            }
             for s in 0..n {
                 // At step s handle the block of the rank s+1 positions back, so that the
                 // last step (s = n−1) completes this rank's own block.
@@ -1234,68 +1234,41 @@ impl Builder<'_> {
     /// Broadcast pipelined along the ring, starting at the root.
     fn ring_broadcast(&self, root: usize) -> Vec<Lane> {
         let n = self.nranks;
-        (0..self.channels())
-            .map(|c| {
-                let v = self.view(c);
-                let root_pos = v.ring.iter().position(|&r| r == root).unwrap();
-                // Distance from the root along the ring.
-                let q = (v.pos + n - root_pos) % n;
-                let steps = self
-                    .block_chunks(c)
-                    .into_iter()
-                    .map(|(off, l)| {
-                        let dst = Region::output(off, l);
-                        match q {
-                            _ if n == 1 => Step::Copy {
-                                src: Region::input(off, l),
-                                dst,
-                            },
-                            0 => Step::CopySend {
-                                to: v.next(),
-                                src: Region::input(off, l),
-                                dst,
-                            },
-                            q if q < n - 1 => Step::RecvCopySend {
-                                from: v.prev(),
-                                to: v.next(),
-                                dst,
-                            },
-                            _ => Step::Recv {
-                                from: v.prev(),
-                                dst,
-                            },
-                        }
-                    })
-                    .collect();
-                lane(c, steps)
-            })
-            .collect()
+        self.lanes_by_chunk(|v, off, l, steps| {
+            // Distance from the root along the ring.
+            let q = (v.pos + n - v.position_of(root)) % n;
+            let dst = Region::output(off, l);
+            steps.push(match q {
+                _ if n == 1 => Step::Copy {
+                    src: Region::input(off, l),
+                    dst,
+                },
+                0 => Step::CopySend {
+                    to: v.next(),
+                    src: Region::input(off, l),
+                    dst,
+                },
+                q if q < n - 1 => Step::RecvCopySend {
+                    from: v.prev(),
+                    to: v.next(),
+                    dst,
+                },
+                _ => Step::Recv {
+                    from: v.prev(),
+                    dst,
+                },
+            });
+        })
     }
 
     /// Reduce pipelined along the ring, ending at the root.
     fn ring_reduce(&self, root: usize) -> Vec<Lane> {
         let n = self.nranks;
-        (0..self.channels())
-            .map(|c| {
-                let v = self.view(c);
-                let root_pos = v.ring.iter().position(|&r| r == root).unwrap();
-                // Position in the chain that starts right after the root and ends at it.
-                let q = (v.pos + n - root_pos + n - 1) % n;
-                let steps = self
-                    .block_chunks(c)
-                    .into_iter()
-                    .map(|(off, l)| {
-                        let (src, dst) = (Region::input(off, l), Region::output(off, l));
-                        if n == 1 {
-                            Step::Copy { src, dst }
-                        } else {
-                            v.chain_reduce_step(q, src, dst)
-                        }
-                    })
-                    .collect();
-                lane(c, steps)
-            })
-            .collect()
+        self.lanes_by_chunk(|v, off, l, steps| {
+            // Position in the chain that starts right after the root and ends at it.
+            let q = (v.pos + n - v.position_of(root) + n - 1) % n;
+            steps.push(v.chain_reduce_step(q, Region::input(off, l), Region::output(off, l)));
+        })
     }
 
     /// All-to-all as direct exchanges: one lane per peer and direction, all in flight
