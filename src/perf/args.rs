@@ -134,19 +134,23 @@ impl Default for PerfArgs {
     }
 }
 
-/// Parses a size with an optional K, M or G suffix (powers of 1024), as nccl-tests does.
+/// Parses a size with an optional K, M or G suffix (powers of 1024), as nccl-tests does;
+/// `B`, `KB`/`KiB`, `MB`/`MiB` and `GB`/`GiB` are read the same way.
 pub fn parse_size(text: &str) -> Result<usize> {
     let t = text.trim();
-    let (digits, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&t[..t.len() - 1], 1usize << 10),
-        Some('M') => (&t[..t.len() - 1], 1 << 20),
-        Some('G') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let mult: Option<usize> = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => Some(1),
+        "K" | "KB" | "KIB" => Some(1 << 10),
+        "M" | "MB" | "MIB" => Some(1 << 20),
+        "G" | "GB" | "GIB" => Some(1 << 30),
+        _ => None,
     };
     digits
         .parse::<usize>()
         .ok()
-        .and_then(|v| v.checked_mul(mult))
+        .zip(mult)
+        .and_then(|(v, m)| v.checked_mul(m))
         .ok_or_else(|| Error::invalid(format!("{text:?} is not a size (e.g. 8, 64K, 128M, 1G)")))
 }
 
@@ -360,6 +364,25 @@ impl PerfArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_take_nccl_tests_suffixes_and_byte_units() {
+        for (text, bytes) in [
+            ("8", 8),
+            ("64K", 64 << 10),
+            ("128m", 128 << 20),
+            ("1G", 1 << 30),
+            ("512B", 512),
+            ("4KiB", 4 << 10),
+            ("2MB", 2 << 20),
+            ("1GiB", 1 << 30),
+        ] {
+            assert_eq!(parse_size(text).unwrap(), bytes, "{text}");
+        }
+        for bad in ["", "K", "8X", "1.5M", "-1"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
 
     fn p(words: &str) -> Result<Option<PerfArgs>> {
         parse(
