@@ -10,7 +10,7 @@
 //! aborts the communicator: the call and every later one fail, and the peers waiting on
 //! this rank learn which rank failed first.
 
-mod config;
+pub(crate) mod config;
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -280,7 +280,7 @@ impl Communicator {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.state)
     }
 
     /// The store of this communicator's rendezvous (a prefix of the job's), for layers
@@ -780,8 +780,9 @@ impl Communicator {
             });
         }
         // Each operation gets its own algorithm and protocol, from itself alone: every
-        // rank then agrees on each, whatever else it groups with it.
-        let (fused, name, choices, scratch_elems) = match raws {
+        // rank then agrees on each, whatever else it groups with it. `per_op`: each
+        // operation's choice and the scratch elements its plan needs.
+        let (fused, name, per_op): (_, _, Vec<(Choice, usize)>) = match raws {
             [raw] => {
                 let key = (raw.collective, raw.count, raw.dtype.size());
                 if st.last_plan.as_ref().is_none_or(|c| c.key != key) {
@@ -806,8 +807,7 @@ impl Communicator {
                 (
                     None,
                     raw.collective.name(),
-                    vec![cached.choice],
-                    vec![cached.scratch_elems],
+                    vec![(cached.choice, cached.scratch_elems)],
                 )
             }
             _ => {
@@ -821,16 +821,19 @@ impl Communicator {
                     .map(|(raw, &c)| self.plan_with(raw, c))
                     .collect::<Result<Vec<_>>>()?;
                 // Each plan has one operation, 0, before fusing renumbers them.
-                let scratch_elems = plans.iter().map(|p| p.scratch_elems(0)).collect();
+                let per_op = choices
+                    .into_iter()
+                    .zip(plans.iter().map(|p| p.scratch_elems(0)))
+                    .collect();
                 let fused = Plan::fuse(plans)?;
-                (Some(fused), "group", choices, scratch_elems)
+                (Some(fused), "group", per_op)
             }
         };
         // The scratch memory the plan asks for, 8-byte aligned for every element type;
         // it lives until the call returns.
         let mut scratch: Vec<Vec<u64>> = Vec::new();
         let mut ops = Vec::with_capacity(raws.len());
-        for ((raw, choice), elems) in raws.iter().zip(&choices).zip(scratch_elems) {
+        for (raw, &(choice, elems)) in raws.iter().zip(&per_op) {
             let reducing = raw.collective.is_reducing();
             let op = if reducing { raw.op } else { ReduceOp::Sum };
             let plain = match op {
@@ -860,8 +863,8 @@ impl Communicator {
         };
         // A group shows its operations' choice when they all made the same one.
         let same = |f: fn(&Choice) -> &'static str| -> &'static str {
-            let first = f(&choices[0]);
-            if choices.iter().all(|c| f(c) == first) {
+            let first = f(&per_op[0].0);
+            if per_op.iter().all(|(c, _)| f(c) == first) {
                 first
             } else {
                 "mixed"
