@@ -100,7 +100,7 @@ impl CpuBind {
         if self == CpuBind::None {
             return Ok(None);
         }
-        let cpus = available_cpus()?;
+        let cpus = crate::topo::available_cpus()?;
         if nranks > cpus.len() {
             return match self {
                 CpuBind::Core => Err(Error::invalid(format!(
@@ -114,32 +114,12 @@ impl CpuBind {
     }
 }
 
-/// The CPUs this process may run on, in order.
-pub(crate) fn available_cpus() -> Result<Vec<usize>> {
-    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`,
-    // which lives for the call.
-    let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    if rc != 0 {
-        return Err(Error::io(
-            "read this process's CPUs",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok((0..libc::CPU_SETSIZE as usize)
-        // SAFETY: `cpu` is below CPU_SETSIZE, inside the set.
-        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
-        .collect())
-}
-
 /// Makes `cmd`'s process run only on `cpu` (set in the child before it executes the
 /// program, so every thread it starts inherits it).
 fn bind_to_cpu(cmd: &mut Command, cpu: usize) {
     // SAFETY: an all-zero cpu_set_t is a valid, empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` came from `available_cpus`, so it is below CPU_SETSIZE.
+    // SAFETY: `cpu` came from `topo::available_cpus`, so it is below CPU_SETSIZE.
     unsafe { libc::CPU_SET(cpu, &mut set) };
     let hook = move || {
         // SAFETY: sched_setaffinity is a plain system call (async-signal-safe), reading

@@ -186,10 +186,8 @@ pub fn parse_level(value: &str) -> Option<LevelFilter> {
 pub fn init_from_env() {
     static INIT: Once = Once::new();
     INIT.call_once(|| {
-        let level = ["FERROCCL_DEBUG", "NCCL_DEBUG"]
-            .iter()
-            .find_map(|v| std::env::var(v).ok().map(|val| (*v, val)))
-            .map(|(var, value)| {
+        let level = crate::comm::config::env_first(&["FERROCCL_DEBUG", "NCCL_DEBUG"]).map(
+            |(var, value)| {
                 parse_level(&value).unwrap_or_else(|| {
                     eprintln!(
                         "ferroccl: {var}={value:?} is not one of WARN, INFO, DEBUG, TRACE; \
@@ -197,7 +195,8 @@ pub fn init_from_env() {
                     );
                     LevelFilter::WARN
                 })
-            });
+            },
+        );
         let trace_dir = std::env::var_os("FERROCCL_TRACE")
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)

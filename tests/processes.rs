@@ -145,16 +145,14 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 cmd.env_remove(var);
             }
             cmd.env("FERROCCL_SOCKET_IFNAME", "=lo");
+            if matches!(net, Net::ShmLL | Net::TwoHostsLL) {
+                cmd.env("FERROCCL_PROTO", "LL")
+                    .env("FERROCCL_DEBUG", "INFO");
+            }
             match net {
-                Net::Shm => {}
-                Net::ShmLL => {
-                    cmd.env("FERROCCL_PROTO", "LL")
-                        .env("FERROCCL_DEBUG", "INFO");
-                }
-                Net::TwoHostsLL => {
-                    cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n))
-                        .env("FERROCCL_PROTO", "LL")
-                        .env("FERROCCL_DEBUG", "INFO");
+                Net::Shm | Net::ShmLL => {}
+                Net::TwoHosts | Net::TwoHostsLL => {
+                    cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
                 }
                 Net::Tcp => {
                     cmd.env("FERROCCL_TRANSPORT", "tcp");
@@ -164,9 +162,6 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                         .env("FERROCCL_DEBUG", "INFO")
                         .env("FERROCCL_SOCKET_NTHREADS", "2")
                         .env("FERROCCL_NSOCKS_PERTHREAD", "2");
-                }
-                Net::TwoHosts => {
-                    cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
                 }
                 Net::HostPerRankTree => {
                     cmd.env("FERROCCL_HOSTID", format!("host{rank}"))

@@ -73,7 +73,7 @@ impl Default for CommConfig {
             channels: 1,
             slots,
             slot_bytes,
-            chunk_bytes: slots / 2 * slot_bytes,
+            chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
             algorithms: ALL_ALGORITHMS.to_vec(),
             protocols: Protocol::ALL.to_vec(),
@@ -86,25 +86,30 @@ impl Default for CommConfig {
     }
 }
 
+/// The first of `names` that is set, and its value.
+pub(crate) fn env_first<'a>(names: &[&'a str]) -> Option<(&'a str, String)> {
+    names
+        .iter()
+        .find_map(|&name| std::env::var(name).ok().map(|value| (name, value)))
+}
+
 /// The first of `names` that is set, read as a positive number (an error names the
 /// variable otherwise).
 pub(crate) fn env_number(names: &[&str]) -> Result<Option<f64>> {
-    for name in names {
-        if let Ok(text) = std::env::var(name) {
-            let v: f64 = text.trim().parse().map_err(|_| Error::Env {
-                var: name.to_string(),
-                detail: format!("{text:?} is not a number"),
-            })?;
-            if !(v.is_finite() && v > 0.0) {
-                return Err(Error::Env {
-                    var: name.to_string(),
-                    detail: format!("{text:?} must be positive"),
-                });
-            }
-            return Ok(Some(v));
-        }
+    let Some((name, text)) = env_first(names) else {
+        return Ok(None);
+    };
+    let v: f64 = text.trim().parse().map_err(|_| Error::Env {
+        var: name.to_string(),
+        detail: format!("{text:?} is not a number"),
+    })?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(Error::Env {
+            var: name.to_string(),
+            detail: format!("{text:?} must be positive"),
+        });
     }
-    Ok(None)
+    Ok(Some(v))
 }
 
 impl CommConfig {
@@ -114,7 +119,6 @@ impl CommConfig {
             bootstrap: BootstrapOptions::from_env()?,
             ..CommConfig::default()
         };
-        let mut chunk_set = false;
         if let Some(v) = env_number(&["FERROCCL_TIMEOUT"])? {
             c.timeout = Duration::from_secs_f64(v);
         }
@@ -136,27 +140,18 @@ impl CommConfig {
         if let Some(v) = env_number(&["FERROCCL_SLOT_SIZE"])? {
             c.slot_bytes = v as usize;
         }
-        if let Some(v) = env_number(&["FERROCCL_CHUNK_SIZE"])? {
-            c.chunk_bytes = v as usize;
-            chunk_set = true;
-        }
-        if !chunk_set {
-            c.chunk_bytes = c.slots / 2 * c.slot_bytes;
-        }
+        c.chunk_bytes = match env_number(&["FERROCCL_CHUNK_SIZE"])? {
+            Some(v) => v as usize,
+            None => half_fifo(c.slots, c.slot_bytes),
+        };
         if let Some(v) = env_number(&["FERROCCL_LL_SLOT_SIZE"])? {
             c.ll_payload_bytes = v as usize;
         }
-        for var in ["FERROCCL_ALGO", "NCCL_ALGO"] {
-            if let Ok(list) = std::env::var(var) {
-                c.algorithms = parse_algorithms(var, &list)?;
-                break;
-            }
+        if let Some((var, list)) = env_first(&["FERROCCL_ALGO", "NCCL_ALGO"]) {
+            c.algorithms = parse_algorithms(var, &list)?;
         }
-        for var in ["FERROCCL_PROTO", "NCCL_PROTO"] {
-            if let Ok(list) = std::env::var(var) {
-                c.protocols = parse_protocols(var, &list)?;
-                break;
-            }
+        if let Some((var, list)) = env_first(&["FERROCCL_PROTO", "NCCL_PROTO"]) {
+            c.protocols = parse_protocols(var, &list)?;
         }
         if let Ok(t) = std::env::var("FERROCCL_TRANSPORT") {
             c.transport = match t.trim() {

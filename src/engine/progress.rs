@@ -47,7 +47,7 @@ impl Turns {
     }
 
     fn guard(&self) -> MutexGuard<'_, ()> {
-        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.lock)
     }
 
     /// Waits until every ticket before `ticket` is done, runs `f`, then lets the next
@@ -125,7 +125,7 @@ impl ProgressThread {
 
     /// Queues `job`.
     pub fn submit(&self, job: Job) -> Result<()> {
-        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = crate::lock(&self.queue);
         match queue.as_ref() {
             Some(tx) => tx.send(job).map_err(|_| Error::Aborted {
                 rank: usize::MAX,
@@ -142,8 +142,8 @@ impl ProgressThread {
 impl Drop for ProgressThread {
     fn drop(&mut self) {
         // Closing the queue ends the thread once it has run what was queued.
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        crate::lock(&self.queue).take();
+        let handle = crate::lock(&self.handle).take();
         // The last owner may be a job on the progress thread itself: it cannot join
         // itself, and it ends on its own once the queue is closed.
         if let Some(h) = handle

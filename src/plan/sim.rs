@@ -130,7 +130,7 @@ impl<T: Clone> Buffers<T> {
         let (base, len) = match r.buf {
             Buf::Input => (self.input_at, self.input_len),
             Buf::Output => (self.output_at, self.output_len),
-            Buf::Scratch => (0, 0),
+            Buf::Scratch => unreachable!("scratch is handled by read and write"),
         };
         if r.end() > len {
             return Err(Error::invalid(format!(

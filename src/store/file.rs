@@ -115,7 +115,7 @@ impl FileStore {
     }
 
     fn lock_inner(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.inner)
     }
 
     /// Runs `f` on the up-to-date state under the file lock; `f` returns records to append.
@@ -372,10 +372,10 @@ impl Store for FileStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner())
+        *crate::lock(&self.timeout)
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
+        *crate::lock(&self.timeout) = timeout;
     }
 }

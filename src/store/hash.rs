@@ -165,10 +165,10 @@ impl Store for HashStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner())
+        *crate::lock(&self.timeout)
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
+        *crate::lock(&self.timeout) = timeout;
     }
 }

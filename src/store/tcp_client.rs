@@ -174,7 +174,7 @@ impl TcpStore {
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.conn)
     }
 
     fn broken_error(&self, op: &'static str, why: &str) -> Error {
@@ -509,10 +509,10 @@ impl Store for TcpStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner())
+        *crate::lock(&self.timeout)
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
+        *crate::lock(&self.timeout) = timeout;
     }
 }

@@ -85,6 +85,26 @@ pub struct HostTopology {
     pub nvml_note: Option<String>,
 }
 
+/// The CPUs this process may run on, in order.
+pub fn available_cpus() -> Result<Vec<usize>> {
+    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`,
+    // which lives for the call.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(Error::io(
+            "read this process's CPUs",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `cpu` is below CPU_SETSIZE, inside the set.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .collect())
+}
+
 /// Parses a sysfs CPU list (`0-3,8,10-11`).
 pub fn parse_cpu_list(text: &str) -> Vec<usize> {
     let mut out = Vec::new();

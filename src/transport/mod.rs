@@ -631,7 +631,7 @@ impl CpuShare {
             machine: Some(crate::bootstrap::boot_id())
                 .filter(|id| !id.is_empty())
                 .unwrap_or_else(crate::bootstrap::host_id),
-            cpus: crate::launch::available_cpus()
+            cpus: crate::topo::available_cpus()
                 .unwrap_or_default()
                 .into_iter()
                 .map(|c| c as u32)

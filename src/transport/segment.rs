@@ -109,7 +109,7 @@ impl Segment {
             }
             SegmentKind::InProcess => {
                 let block = Arc::new(HeapBlock::new(len)?);
-                let mut table = registry().lock().unwrap_or_else(|p| p.into_inner());
+                let mut table = crate::lock(registry());
                 if table.contains_key(name) {
                     return Err(Error::invalid(format!("segment {name} exists already")));
                 }
@@ -146,7 +146,7 @@ impl Segment {
                 Self::map(file, name, len)
             }
             SegmentKind::InProcess => {
-                let table = registry().lock().unwrap_or_else(|p| p.into_inner());
+                let table = crate::lock(registry());
                 let block = table.get(name).cloned().ok_or_else(|| {
                     Error::invalid(format!("no in-process segment called {name}"))
                 })?;
