@@ -89,6 +89,17 @@ pub struct Shape {
     pub ranks_per_host: usize,
 }
 
+impl Shape {
+    /// `ranks` spread as evenly as they go over `hosts` (at least one).
+    pub fn even(ranks: usize, hosts: usize) -> Self {
+        Shape {
+            ranks,
+            hosts,
+            ranks_per_host: ranks.div_ceil(hosts.max(1)),
+        }
+    }
+}
+
 /// What the model picks for a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Choice {
@@ -346,11 +357,7 @@ mod tests {
     use super::*;
 
     fn shape(ranks: usize, hosts: usize) -> Shape {
-        Shape {
-            ranks,
-            hosts,
-            ranks_per_host: ranks.div_ceil(hosts),
-        }
+        Shape::even(ranks, hosts)
     }
 
     fn is_tree(c: Choice) -> bool {

@@ -58,11 +58,7 @@ fn predict(args: &[String]) -> Result<(), String> {
     }
     let ranks = ranks.ok_or(format!("--ranks is required\n{USAGE}"))?;
     let hosts = hosts.unwrap_or(1).clamp(1, ranks.max(1));
-    let shape = Shape {
-        ranks,
-        hosts,
-        ranks_per_host: ranks.div_ceil(hosts),
-    };
+    let shape = Shape::even(ranks, hosts);
     let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
     println!(
         "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}), net {}",
@@ -70,13 +66,15 @@ fn predict(args: &[String]) -> Result<(), String> {
         show(model.local_ll),
         show(model.net)
     );
-    let candidates = [Algorithm::Ring, Algorithm::Tree].map(|algorithm| {
-        Protocol::ALL.map(|protocol| Choice {
-            algorithm,
-            protocol,
+    let candidates: Vec<Choice> = [Algorithm::Ring, Algorithm::Tree]
+        .into_iter()
+        .flat_map(|algorithm| {
+            Protocol::ALL.map(|protocol| Choice {
+                algorithm,
+                protocol,
+            })
         })
-    });
-    let candidates: Vec<Choice> = candidates.into_iter().flatten().collect();
+        .collect();
     print!("# {:>12}", "bytes");
     for c in &candidates {
         print!(" {:>16}", format!("{} (us)", c.name()));

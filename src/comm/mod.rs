@@ -28,7 +28,7 @@ use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::{Bell, Closed};
-use crate::transport::{Connections, Protocol, TransportChoice, TransportConfig};
+use crate::transport::{Connections, Protocol, TransportConfig};
 use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
@@ -200,13 +200,9 @@ impl Communicator {
                 )));
             }
         }
-        // With TCP forced between every pair, every rank is a host of its own, for the
-        // plans' rings and trees as for the cost model.
-        let hosts = if config.transport == TransportChoice::Tcp {
-            (0..nranks).collect()
-        } else {
-            crate::topo::host_labels(boot.peers())
-        };
+        // The same hosts for the plans' rings and trees, the cost model and the
+        // transports (with TCP forced, every rank is a host of its own).
+        let hosts = config.transport.host_labels(boot.peers());
         let rings = PlanOptions::for_hosts(&hosts, config.channels, 1).rings;
         crate::topo::dump_from_env(rank, boot.peers(), &rings)?;
         let conns = Connections::establish(

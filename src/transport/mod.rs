@@ -53,6 +53,18 @@ pub enum TransportChoice {
     Tcp,
 }
 
+impl TransportChoice {
+    /// The host each rank counts as on (labels as [`crate::topo::host_labels`]): ranks
+    /// with the same host id share one, except that with TCP forced every rank is a
+    /// host of its own. Plans, the cost model and the transports all go by this.
+    pub fn host_labels(self, peers: &[crate::bootstrap::PeerInfo]) -> Vec<usize> {
+        match self {
+            TransportChoice::Tcp => (0..peers.len()).collect(),
+            _ => crate::topo::host_labels(peers),
+        }
+    }
+}
+
 /// How to connect a communicator's ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportConfig {
@@ -171,13 +183,13 @@ impl Connections {
                 "transport: {channels} rings, each must list all {nranks} ranks"
             )));
         }
+        let hosts = config.choice.host_labels(peers);
         let path = |a: usize, b: usize| -> Path {
-            let (pa, pb) = (&peers[a], &peers[b]);
             if a == b {
                 Path::InProcess
-            } else if config.choice == TransportChoice::Tcp || pa.host_id != pb.host_id {
+            } else if hosts[a] != hosts[b] {
                 Path::Tcp
-            } else if config.choice == TransportChoice::Shm || pa.pid != pb.pid {
+            } else if config.choice == TransportChoice::Shm || peers[a].pid != peers[b].pid {
                 Path::Shm
             } else {
                 Path::InProcess
