@@ -28,11 +28,11 @@ use std::time::Duration;
 pub use mesh::DeviceMesh;
 use recorder::{Entry, FlightRecorder};
 
-use crate::comm::{CommConfig, Communicator};
+use crate::comm::{CommConfig, Communicator, RawCall};
 use crate::engine::progress::Pending;
 use crate::error::{Error, Result};
 use crate::store::{PrefixStore, Store};
-use crate::types::{Element, ReduceOp};
+use crate::types::{DataType, Element, ReduceOp};
 
 /// Settings of a process group.
 #[derive(Clone, Debug)]
@@ -193,6 +193,27 @@ impl<R> Work<R> {
     }
 }
 
+/// What runs around a raw call, on the thread that runs it (see
+/// [`ProcessGroup::issue_raw`]).
+#[derive(Default)]
+pub struct Around {
+    /// Runs right before the call (staging copies into memory the call reads).
+    pub before: Option<Box<dyn FnOnce() + Send>>,
+    /// Runs right after it with its outcome, before its [`Work`] completes (copies out
+    /// of staging memory, completing a future) — with the watchdog's diagnosis in place
+    /// of the abort it caused.
+    pub after: Option<AfterCall>,
+}
+
+/// The hook [`Around::after`] holds: called with the call's outcome.
+pub type AfterCall = Box<dyn FnOnce(std::result::Result<(), &Error>) + Send>;
+
+/// Whether a call named `op` is point-to-point: it pairs two ranks only, so it is
+/// numbered apart from the collectives and not desync-checked.
+pub(crate) fn is_p2p(op: &str) -> bool {
+    matches!(op, "send" | "recv" | "send_recv")
+}
+
 /// What a collective call is, for the recorder and the desync check.
 struct Call {
     op: &'static str,
@@ -219,6 +240,19 @@ impl Call {
         }
     }
 
+    /// What `calls`, issued together as `op`, are: the first call's type, root or peer
+    /// and reduction, and the elements of all of them.
+    fn of_raw(op: &'static str, calls: &[RawCall]) -> Self {
+        let first = calls.first();
+        Call {
+            op,
+            dtype: first.map_or(DataType::Uint8, |c| c.dtype).name().into(),
+            count: calls.iter().map(|c| c.count).sum(),
+            peer: first.and_then(|c| c.collective.root()),
+            reduce: first.filter(|c| c.collective.is_reducing()).map(|c| c.op),
+        }
+    }
+
     fn signature(&self) -> String {
         let mut s = format!("{}(count {}, {}", self.op, self.count, self.dtype);
         if let Some(op) = self.reduce {
@@ -240,6 +274,18 @@ impl ProcessGroup {
         size: usize,
         options: PgOptions,
     ) -> Result<Self> {
+        Self::init_named(store, rank, size, "default", options)
+    }
+
+    /// Like [`ProcessGroup::init`], for a group called `name` (which names its
+    /// flight-recorder dumps; a torch backend passes each group's name).
+    pub fn init_named(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        name: &str,
+        options: PgOptions,
+    ) -> Result<Self> {
         let config = comm_config(&options)?;
         let boot = crate::bootstrap::Bootstrap::new(
             Arc::new(PrefixStore::new("pg/default", store)),
@@ -247,11 +293,7 @@ impl ProcessGroup {
             size,
             &config.bootstrap,
         )?;
-        Self::from_communicator(
-            Communicator::from_bootstrap(boot, config)?,
-            "default",
-            options,
-        )
+        Self::from_communicator(Communicator::from_bootstrap(boot, config)?, name, options)
     }
 
     /// The default group from the launcher's environment (`env://`: ferrorun, torchrun,
@@ -298,6 +340,11 @@ impl ProcessGroup {
         &self.inner.name
     }
 
+    /// Sequence number of the next collective (the same on every rank).
+    pub fn sequence_number(&self) -> u64 {
+        self.inner.seq.load(Ordering::SeqCst)
+    }
+
     /// The flight recorder.
     pub fn recorder(&self) -> &FlightRecorder {
         &self.inner.recorder
@@ -335,13 +382,10 @@ impl ProcessGroup {
         self.split(position.map(|_| 0), position.unwrap_or(0) as i32)
     }
 
-    /// Issues a collective on the progress thread.
-    fn issue<R: Send + 'static>(
-        &self,
-        call: Call,
-        run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
-    ) -> Result<Work<R>> {
-        let p2p = matches!(call.op, "send" | "recv");
+    /// Numbers a call, checks it against the other ranks when the desync check is on,
+    /// and records it.
+    fn schedule(&self, call: &Call) -> Result<Arc<Entry>> {
+        let p2p = is_p2p(call.op);
         let seq = if p2p {
             self.inner.p2p_seq.fetch_add(1, Ordering::SeqCst)
         } else {
@@ -350,10 +394,19 @@ impl ProcessGroup {
         if self.inner.options.desync_debug && !p2p {
             watchdog::check_desync(&self.inner, seq, &call.signature())?;
         }
-        let entry = self
+        Ok(self
             .inner
             .recorder
-            .schedule(seq, call.op, call.dtype, call.count, call.peer);
+            .schedule(seq, call.op, call.dtype.clone(), call.count, call.peer))
+    }
+
+    /// Issues a collective on the progress thread.
+    fn issue<R: Send + 'static>(
+        &self,
+        call: Call,
+        run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<Work<R>> {
+        let entry = self.schedule(&call)?;
         let e = entry.clone();
         let pending = self.inner.comm.submit(move |c| {
             e.start();
@@ -366,6 +419,76 @@ impl ProcessGroup {
             done: None,
             entry,
             rank: self.rank(),
+        })
+    }
+
+    /// Runs `calls` — one operation, or several issued together as one group (a
+    /// coalesced window, a batch of sends and receives) — over memory this layer does
+    /// not own, such as a Python tensor's. With `blocking` they run in the caller's
+    /// thread (no hand-off) and the returned [`Work`] has completed; otherwise they run
+    /// on the progress thread in issue order. `op` names them in the flight recorder and
+    /// the desync check (`send`, `recv` and `send_recv` count as point-to-point).
+    ///
+    /// `keep` (what owns the memory) is held until the calls have run and handed back
+    /// by [`Work::wait`]; `around` runs right before and after them, on the thread that
+    /// runs them.
+    ///
+    /// # Safety
+    /// Every call's buffers must hold the elements it reads and writes, stay valid and
+    /// be touched by nobody else until the calls have run (the `Work` completes), and
+    /// overlap only as an in-place call defines (see [`Communicator::group_raw`]).
+    pub unsafe fn issue_raw<K: Send + 'static>(
+        &self,
+        op: &'static str,
+        calls: Vec<RawCall>,
+        keep: K,
+        blocking: bool,
+        around: Around,
+    ) -> Result<Work<K>> {
+        let entry = self.schedule(&Call::of_raw(op, &calls))?;
+        let rank = self.rank();
+        let run = move |comm: &Communicator, entry: &Entry| -> Result<K> {
+            entry.start();
+            if let Some(before) = around.before {
+                before();
+            }
+            // SAFETY: forwarded from this function's contract.
+            let r = unsafe { comm.group_raw(&calls) };
+            entry.finish(r.is_ok());
+            let r = match (r, entry.watchdog_error(rank)) {
+                (Err(_), Some(e)) => Err(e),
+                (r, _) => r,
+            };
+            if let Some(after) = around.after {
+                after(r.as_ref().map(|_| ()));
+            }
+            r.map(|()| keep)
+        };
+        if blocking {
+            let done = run(&self.inner.comm, &entry);
+            return Ok(Work {
+                pending: None,
+                done: Some(done),
+                entry,
+                rank,
+            });
+        }
+        /// The calls' raw pointers, moved to the progress thread.
+        struct Lent<F>(F);
+        // SAFETY: the pointers inside are only used by the progress thread, while the
+        // caller keeps the memory valid and untouched (this function's contract).
+        unsafe impl<F> Send for Lent<F> {}
+        let lent = Lent(run);
+        let e = entry.clone();
+        let pending = self.inner.comm.submit(move |c| {
+            let lent = lent;
+            (lent.0)(c, &e)
+        })?;
+        Ok(Work {
+            pending: Some(pending),
+            done: None,
+            entry,
+            rank,
         })
     }
 

@@ -62,7 +62,7 @@ fn run(inner: &Inner) {
             // call) before aborting, so their calls fail with the diagnosis too.
             // A send or receive waits on its one peer (and is numbered apart from the
             // collectives); a collective waits on the ranks that never issued it.
-            let p2p = matches!(entry.op, "send" | "recv");
+            let p2p = super::is_p2p(entry.op);
             if !p2p {
                 let _ = inner.store.set(DUMP_KEY, entry.seq.to_string().as_bytes());
             }
@@ -96,7 +96,7 @@ fn run(inner: &Inner) {
             if let Some(seq) = stuck
                 && let Some(entry) = inner.recorder.entries().into_iter().find(|e| {
                     e.seq == seq
-                        && !matches!(e.op, "send" | "recv")
+                        && !super::is_p2p(e.op)
                         && matches!(
                             e.state(),
                             super::recorder::State::Started | super::recorder::State::Scheduled
