@@ -71,6 +71,7 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap;
+#[cfg(feature = "capi")]
 pub mod capi;
 pub mod comm;
 pub mod ddp;

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ __all__ = ["FerrocclBackend", "register"]
 NAME = "ferroccl"
 
 
-def _reduce_op(op: Any) -> tuple[str, Optional[float]]:
+def _reduce_op(op: Any) -> tuple[str, float | None]:
     """torch's ``ReduceOp`` (or its ``RedOpType``) as ferroccl's name and factor."""
     kind = getattr(op, "op", op)
     name = kind.name
@@ -48,7 +48,7 @@ def _reduce_op(op: Any) -> tuple[str, Optional[float]]:
     return name, float(factor)
 
 
-def _seconds(timeout: Any) -> Optional[float]:
+def _seconds(timeout: Any) -> float | None:
     """A torch timeout (``timedelta``; zero or negative means none) in seconds."""
     if timeout is None:
         return None
@@ -126,7 +126,7 @@ class _Work(dist._Work):
         fut: torch.futures.Future = torch.futures.Future()
         result = self._result
 
-        def done(error: Optional[BaseException]) -> None:
+        def done(error: BaseException | None) -> None:
             if error is not None:
                 fut.set_exception(error)
                 return
@@ -148,7 +148,7 @@ class FerrocclBackend(_C10dBackend):
         timeout: timedelta,
         *,
         name: str = "default",
-        pg: Optional[_ferroccl.ProcessGroup] = None,
+        pg: _ferroccl.ProcessGroup | None = None,
         options: Any = None,
     ) -> None:
         super().__init__(rank, size)
@@ -216,7 +216,9 @@ class FerrocclBackend(_C10dBackend):
         w = self._pg.allgather(outs, s.inputs(inputs), _blocking(opts))
         return self._work(w, [t for lst in output_lists for t in lst], s)
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> _Work:
         return self.allgather(output_lists, inputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
@@ -254,7 +256,9 @@ class FerrocclBackend(_C10dBackend):
         w = self._pg.reduce_scatter_single([s.output(output)], [s.input(input)], op, factor, _blocking(opts))
         return self._work(w, [output], s)
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> _Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         w = self._pg.reduce_scatter_single(s.outputs(outputs), s.inputs(inputs), op, factor, _blocking(opts))
@@ -315,7 +319,7 @@ class FerrocclBackend(_C10dBackend):
         results, self._window_results = self._window_results, []
         return _Work(self._pg.end_coalescing(False), results, _Staged())
 
-    def split(self, store: Any, ranks: list[int], opts: Any) -> Optional[FerrocclBackend]:
+    def split(self, store: Any, ranks: list[int], opts: Any) -> FerrocclBackend | None:
         ranks = list(ranks)
         if opts is None:
             opts = _C10dBackend.Options(NAME, timeout=self._timeout)
@@ -325,7 +329,9 @@ class FerrocclBackend(_C10dBackend):
         child = self._pg.split(color, key)
         if child is None:
             return None
-        return FerrocclBackend(store, key, len(ranks), opts._timeout, name=f"{self._name}/split", pg=child, options=opts)
+        return FerrocclBackend(
+            store, key, len(ranks), opts._timeout, name=f"{self._name}/split", pg=child, options=opts
+        )
 
     def perform_nocolor_split(self, device: Any) -> None:
         self._pg.split(None, 0)
@@ -344,7 +350,9 @@ class FerrocclBackend(_C10dBackend):
         return self._pg.flight_recorder()
 
 
-def _monitored_barrier(store: Any, pg: _ferroccl.ProcessGroup, rank: int, size: int, timeout: float, wait_all_ranks: bool) -> None:
+def _monitored_barrier(
+    store: Any, pg: _ferroccl.ProcessGroup, rank: int, size: int, timeout: float, wait_all_ranks: bool
+) -> None:
     """Rank 0 waits for every rank's arrival key, naming those that miss the deadline;
     the others wait for rank 0's release. Keys are numbered so calls do not mix."""
     seq = store.add("ferroccl/monitored_barrier/calls/" + str(rank), 1)
@@ -412,4 +420,3 @@ def register() -> None:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
     _registered = True
-

@@ -33,6 +33,12 @@ use crate::transport::{Connections, PeerState, Protocol};
 /// rank of this machine can have a core of its own: a reply from another core arrives
 /// within the spin.
 const DEDICATED_WAIT: (u32, u32) = (64, 16);
+/// With a core of its own, a rank keeps spinning at least this long after its last
+/// progress before it sleeps: peers that spend a few tens of microseconds between calls
+/// (Python, torch's dispatch) would otherwise find it asleep at every call, and a
+/// futex wake-up on a VM costs more than the wait (measured: 2 ranks under
+/// `torch.distributed`, 8-byte all-reduce, 71 -> see README).
+const DEDICATED_SPIN: Duration = Duration::from_micros(100);
 /// The same when ranks outnumber cores: spinning would only keep the rank being waited
 /// for off the core, so yield at once, and for longer (measured on 2 cores, 8-byte
 /// all-reduce: 4 ranks 8.1 -> 5.5 us, 8 ranks 26 -> 20 us).
@@ -168,6 +174,7 @@ unsafe fn run_lanes(
     };
     let start = Instant::now();
     let mut idle_sweeps = 0u32;
+    let mut idle_since = start;
     let mut last_process_check = start;
     loop {
         // SAFETY: forwarded from this function's contract.
@@ -190,7 +197,11 @@ unsafe fn run_lanes(
         } else {
             DEDICATED_WAIT
         };
-        if idle_sweeps <= spin_sweeps {
+        if idle_sweeps == 1 {
+            idle_since = Instant::now();
+        }
+        if idle_sweeps <= spin_sweeps || (spin_sweeps > 0 && idle_since.elapsed() < DEDICATED_SPIN)
+        {
             std::hint::spin_loop();
             continue;
         }

@@ -1,0 +1,96 @@
+"""ferroccl under torch.distributed: every collective against a serial reference, DDP,
+FSDP2 and DTensor against Gloo, object collectives, clear errors, and a killed rank.
+
+The rank scripts never import ferroccl: ``init_process_group("ferroccl")`` finds the
+backend through the package's ``torch.distributed.backends`` entry point."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from harness import launch
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_matches_the_serial_reference(world: int) -> None:
+    results = launch("collectives", world, "ferroccl").check()
+    for rank, r in enumerate(results):
+        assert r["failed"] == 0, f"rank {rank}: {r['failures']}"
+        assert r["checked"] > 1500, r
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], what: str) -> None:
+    assert len(a) == len(b), what
+    for pa, pb in zip(a, b):
+        assert len(pa) == len(pb), what
+        for x, y in zip(pa, pb):
+            assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6), f"{what}: {x} vs {y}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_trains_like_gloo(world: int) -> None:
+    ours = launch("ddp", world, "ferroccl").check()
+    gloo = launch("ddp", world, "gloo").check()
+    for r in range(1, world):
+        assert ours[r]["weights"] == ours[0]["weights"], f"rank {r} differs bitwise from rank 0"
+    assert_close(ours[0]["weights"], gloo[0]["weights"], "ferroccl vs gloo after 10 DDP steps")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_trains_like_gloo(world: int) -> None:
+    ours = launch("fsdp", world, "ferroccl").check()
+    gloo = launch("fsdp", world, "gloo").check()
+    for r in range(1, world):
+        assert ours[r]["weights"] == ours[0]["weights"], f"rank {r} differs bitwise from rank 0"
+    assert_close(ours[0]["weights"], gloo[0]["weights"], "ferroccl vs gloo after 6 FSDP2 steps")
+
+
+def test_dtensor_redistribute_on_a_2x2_mesh_like_gloo() -> None:
+    ours = launch("dtensor", 4, "ferroccl").check()
+    gloo = launch("dtensor", 4, "gloo").check()
+    for r in range(4):
+        assert ours[r].keys() == gloo[r].keys()
+        for k in ours[r]:
+            assert_close([ours[r][k]], [gloo[r][k]], f"rank {r} {k}")
+    # Partial placements were summed: every rank contributed rank + 1.
+    assert set(ours[0]["partial->rep"]) == {1.0 + 2.0 + 3.0 + 4.0}
+
+
+@pytest.mark.parametrize("backend", ["ferroccl", "cpu:ferroccl"])
+def test_object_collectives_and_batch_isend_irecv(backend: str) -> None:
+    world = 3
+    results = launch("objects", world, backend).check()
+    for rank, r in enumerate(results):
+        assert r["all_gather_object"] == [{"rank": q, "name": f"r{q}" * (q + 1)} for q in range(world)]
+        assert r["broadcast_object_list"] == [{"k": [1, 2, 3]}, "text", 42]
+        assert r["scatter_object_list"] == f"for {rank}"
+        left, right = (rank - 1) % world, (rank + 1) % world
+        assert r["batch_isend_irecv"] == [[float(left)] * 5, [right, right + 1, right + 2]]
+    assert results[0]["gather_object"] == [["g", q] for q in range(world)]
+    assert results[1]["recv_object_list"] == [{"hello": "from 0"}, 7]
+
+
+def test_bad_calls_raise_clear_errors_and_leave_the_group_usable() -> None:
+    for r in launch("errors", 2).check():
+        assert "BAND" in r["band_float"] and "bitwise" in r["band_float"], r
+        assert "MAX" in r["max_complex"] and "complex" in r["max_complex"], r
+        assert "AVG" in r["avg_bool"] and "bool" in r["avg_bool"], r
+        assert "int16" in r["sum_int16"] and "all_reduce" in r["sum_int16"], r
+        assert r["gather_wrong_size"] is not None, r
+        assert r["int16_broadcast"] == [0, 0, 0]
+        assert r["still_usable"] == [2.0, 2.0]
+
+
+def test_a_killed_rank_makes_every_other_rank_raise_naming_it() -> None:
+    world, victim, timeout = 3, 1, 30
+    ranks = launch("fault", world, str(victim), str(timeout), timeout=120)
+    assert ranks.codes[victim] == -9
+    for r in range(world):
+        if r == victim:
+            continue
+        assert ranks.codes[r] == 0, ranks.outputs[r][-3000:]
+        res = ranks.results[r]
+        assert res["raised"] is not None, f"rank {r} did not notice"
+        assert f"rank {victim}" in res["raised"], res
+        assert res["after"] < timeout, res
