@@ -76,9 +76,7 @@ def worker(args: argparse.Namespace) -> None:
         import ferroccl
 
         store = dist.distributed_c10d._get_default_store()
-        comm = ferroccl.Communicator.from_store(
-            torch.distributed.PrefixStore("bench", store), rank, n
-        )
+        comm = ferroccl.Communicator.from_store(torch.distributed.PrefixStore("bench", store), rank, n)
         t = torch.zeros(2, dtype=torch.float32)
         for _ in range(2000):
             comm.all_reduce(t)
@@ -130,12 +128,8 @@ def launch(args: argparse.Namespace, backend: str, ranks: int) -> dict:
         for p in procs:
             if p.wait(timeout=args.timeout) != 0:
                 sys.exit(f"torch_bench: a {backend} rank failed ({p.returncode})")
-        per_rank = [
-            json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(ranks)
-        ]
-    times = {
-        int(k): max(pr["times"][k] for pr in per_rank) for k in per_rank[0]["times"]
-    }
+        per_rank = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(ranks)]
+    times = {int(k): max(pr["times"][k] for pr in per_rank) for k in per_rank[0]["times"]}
     binding = per_rank[0]["binding_8b"] and max(pr["binding_8b"] for pr in per_rank)
     return {"times": times, "binding_8b": binding}
 
@@ -176,18 +170,14 @@ def human(nbytes: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="2,4")
     p.add_argument("-b", "--min-bytes", type=size, default=8)
     p.add_argument("-e", "--max-bytes", type=size, default=128 << 20)
     p.add_argument("-f", "--factor", type=int, default=4)
     p.add_argument("--max-iters", type=int, default=5000)
     p.add_argument("--backends", default="ferroccl,gloo")
-    p.add_argument(
-        "--rust-perf", help="path of all_reduce_perf, to time the Rust call at 8 B too"
-    )
+    p.add_argument("--rust-perf", help="path of all_reduce_perf, to time the Rust call at 8 B too")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -206,32 +196,20 @@ def main() -> None:
         ours = res.get("ferroccl")
         if ours and ours["binding_8b"]:
             rust = rust_perf(args.rust_perf, ranks) if args.rust_perf else None
-            overheads.append(
-                (ranks, ours["times"][min(ours["times"])], ours["binding_8b"], rust)
-            )
+            overheads.append((ranks, ours["times"][min(ours["times"])], ours["binding_8b"], rust))
     bus = lambda n, nb, t: nb / t * 2 * (n - 1) / n / 1e9  # noqa: E731
     cell = lambda n, nb, t: f"{t * 1e6:.1f} us" if nb < 4096 else f"{bus(n, nb, t):.2f}"  # noqa: E731
-    head = (
-        ["ranks", "size"]
-        + [b for b in backends]
-        + [f"{backends[0]}/{b}" for b in backends[1:]]
-    )
+    head = ["ranks", "size"] + [b for b in backends] + [f"{backends[0]}/{b}" for b in backends[1:]]
     sep, end = ("| ", " |") if args.markdown else ("", "")
     print(sep + (" | " if args.markdown else "  ").join(head) + end)
     if args.markdown:
         print("|" + "---|" * len(head))
     for ranks, nbytes, t in rows:
         ratio = [f"{t[b] / t[backends[0]]:.1f}x" for b in backends[1:]]
-        vals = (
-            [str(ranks), human(nbytes)]
-            + [cell(ranks, nbytes, t[b]) for b in backends]
-            + ratio
-        )
+        vals = [str(ranks), human(nbytes)] + [cell(ranks, nbytes, t[b]) for b in backends] + ratio
         print(sep + (" | " if args.markdown else "  ").join(vals) + end)
     print()
-    print(
-        "busbw in GB/s from 4 KiB, time per call below; ratio = the other's time / ferroccl's"
-    )
+    print("busbw in GB/s from 4 KiB, time per call below; ratio = the other's time / ferroccl's")
     for ranks, torch_t, binding_t, rust_t in overheads:
         line = (
             f"{ranks} ranks, 8 B: dist.all_reduce {torch_t * 1e6:.2f} us, "

@@ -87,8 +87,10 @@ class _Staged:
 
 
 class _Work(dist._Work):
-    """torch's ``Work`` over ferroccl's: ``wait`` (with a timeout), ``is_completed``,
-    ``exception``, and a future that completes by itself with the output tensors."""
+    """torch's ``Work`` over ferroccl's: ``wait`` (with a timeout; it raises the call's
+    error, naming the rank at fault) and a future that completes by itself with the
+    output tensors. (torch 2.15 forwards only ``wait`` and ``get_future`` from a Python
+    backend's work: ``is_completed`` on what torch hands the user stays False.)"""
 
     def __init__(self, work: _ferroccl.Work, result: list[torch.Tensor], staged: _Staged):
         super().__init__()
@@ -137,6 +139,9 @@ class _Work(dist._Work):
         return fut
 
 
+_LIVE: set[FerrocclBackend] = set()
+
+
 class FerrocclBackend(_C10dBackend):
     """A ``torch.distributed`` backend whose collectives run on ferroccl (CPU tensors)."""
 
@@ -161,6 +166,10 @@ class FerrocclBackend(_C10dBackend):
         self._pg = pg
         self._coalescing = False
         self._window_results: list[torch.Tensor] = []
+        # torch keeps only the C++ half of a Python backend in some paths (the debug
+        # wrapper of TORCH_DISTRIBUTED_DEBUG=DETAIL): the Python half, whose methods the
+        # C++ half calls, lives here until the group shuts down.
+        _LIVE.add(self)
 
     # ----- what torch asks of a backend ---------------------------------------
 
@@ -179,38 +188,38 @@ class FerrocclBackend(_C10dBackend):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
 
-    def _work(self, work: _ferroccl.Work, result: list[torch.Tensor], staged: _Staged) -> _Work:
+    def _work(self, work: _ferroccl.Work, result: list[torch.Tensor], staged: _Staged) -> dist._Work:
         if self._coalescing:
             self._window_results.extend(result)
         return _Work(work, result, staged)
 
     # ----- collectives ----------------------------------------------------------
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         ts = s.outputs(tensors)
         w = self._pg.broadcast(ts, opts.rootRank, _blocking(opts))
         return self._work(w, tensors, s)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         w = self._pg.allreduce(s.outputs(tensors), op, factor, _blocking(opts))
         return self._work(w, tensors, s)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
         return self.allreduce(tensors, opts)
 
-    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def allreduce_sparse(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
         raise NotImplementedError("ferroccl: allreduce_sparse: sparse tensors are not supported")
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         w = self._pg.reduce(s.outputs(tensors), opts.rootRank, op, factor, _blocking(opts))
         return self._work(w, tensors, s)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         outs = [s.outputs(lst) for lst in output_lists]
         w = self._pg.allgather(outs, s.inputs(inputs), _blocking(opts))
@@ -218,39 +227,45 @@ class FerrocclBackend(_C10dBackend):
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> _Work:
-        return self.allgather(output_lists, inputs, opts)
+    ) -> dist._Work:
+        # Here output_lists[r][i] is input i of rank r (allgather's lists are [i][r]).
+        per_input = [[per_rank[i] for per_rank in output_lists] for i in range(len(inputs))]
+        return self.allgather(per_input, inputs, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist._Work:
         s = _Staged()
         w = self._pg.all_gather_single([s.output(output)], [s.input(input)], _blocking(opts))
         return self._work(w, [output], s)
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> dist._Work:
         s = _Staged()
         w = self._pg.all_gather_single(s.outputs(outputs), s.inputs(inputs), _blocking(opts))
         return self._work(w, list(outputs), s)
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         outs = [s.outputs(lst) for lst in output_lists]
         w = self._pg.gather(outs, s.inputs(inputs), opts.rootRank, _blocking(opts))
         return self._work(w, [t for lst in output_lists for t in lst], s)
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> _Work:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> dist._Work:
         s = _Staged()
         ins = [s.inputs(lst) for lst in input_lists]
         w = self._pg.scatter(s.outputs(outputs), ins, opts.rootRank, _blocking(opts))
         return self._work(w, list(outputs), s)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> _Work:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any
+    ) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         ins = [s.inputs(lst) for lst in input_lists]
         w = self._pg.reduce_scatter(s.outputs(outputs), ins, op, factor, _blocking(opts))
         return self._work(w, list(outputs), s)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         w = self._pg.reduce_scatter_single([s.output(output)], [s.input(input)], op, factor, _blocking(opts))
@@ -258,7 +273,7 @@ class FerrocclBackend(_C10dBackend):
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
-    ) -> _Work:
+    ) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
         w = self._pg.reduce_scatter_single(s.outputs(outputs), s.inputs(inputs), op, factor, _blocking(opts))
@@ -271,36 +286,35 @@ class FerrocclBackend(_C10dBackend):
         output_split_sizes: list[int],
         input_split_sizes: list[int],
         opts: Any,
-    ) -> _Work:
+    ) -> dist._Work:
         s = _Staged()
         w = self._pg.all_to_all_single(
             s.output(output), s.input(input), list(output_split_sizes), list(input_split_sizes), _blocking(opts)
         )
         return self._work(w, [output], s)
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> _Work:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
         w = self._pg.alltoall(s.outputs(outputs), s.inputs(inputs), _blocking(opts))
         return self._work(w, list(outputs), s)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist._Work:
         s = _Staged()
         w = self._pg.send(s.inputs(tensors), dst, False)
         return self._work(w, list(tensors), s)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist._Work:
         s = _Staged()
         w = self._pg.recv(s.outputs(tensors), src, False)
         return self._work(w, list(tensors), s)
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist._Work:
         raise NotImplementedError(
             "ferroccl: recv from any source is not supported (NCCL has none either); name the sender"
         )
 
-    def barrier(self, opts: Any) -> _Work:
-        w = self._pg.barrier(_blocking(opts))
-        return _Work(w, [], _Staged())
+    def barrier(self, opts: Any) -> dist._Work:
+        return _Work(self._pg.barrier(_blocking(opts)), [], _Staged())
 
     def monitored_barrier(self, opts: Any, wait_all_ranks: bool = False) -> None:
         """A barrier that names the ranks that did not reach it within ``opts.timeout``."""
@@ -314,7 +328,7 @@ class FerrocclBackend(_C10dBackend):
         self._coalescing = True
         self._window_results = []
 
-    def end_coalescing(self) -> _Work:
+    def end_coalescing(self) -> dist._Work:
         self._coalescing = False
         results, self._window_results = self._window_results, []
         return _Work(self._pg.end_coalescing(False), results, _Staged())
@@ -341,6 +355,7 @@ class FerrocclBackend(_C10dBackend):
 
     def shutdown(self) -> None:
         self._pg.shutdown()
+        _LIVE.discard(self)
 
     def _get_sequence_number_for_group(self) -> int:
         return self._pg.sequence_number()

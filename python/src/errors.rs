@@ -9,7 +9,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
-    _ferroccl,
+    ferroccl,
     FerrocclError,
     PyRuntimeError,
     "A ferroccl call failed; the message names the rank, the operation, its sequence \

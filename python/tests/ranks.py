@@ -426,7 +426,42 @@ def fault(victim: str, timeout: str) -> None:
     os._exit(0)
 
 
+def desync() -> None:
+    """Rank 1 calls a collective with another count than the others: with
+    FERROCCL_DESYNC_DEBUG=1 every rank raises, naming the ranks and both calls."""
+    dist.init_process_group("ferroccl", timeout=timedelta(seconds=30))
+    t = torch.ones(5 if RANK == 1 else 4)
+    try:
+        dist.all_reduce(t)
+        emit({"raised": None})
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        emit({"raised": f"{type(e).__name__}: {e}"})
+    os._exit(0)
+
+
+def stalled(laggard: str, timeout: str) -> None:
+    """The laggard stops calling collectives (alive, but stuck elsewhere): the others'
+    calls fail once the group's timeout passes (the watchdog's), naming it."""
+    dist.init_process_group("ferroccl", timeout=timedelta(seconds=float(timeout)))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if RANK == int(laggard):
+        time.sleep(20)
+        emit({"raised": None})
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        emit({"raised": None})
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        emit({"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start})
+    os._exit(0)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
+    "desync": desync,
+    "stalled": stalled,
     "collectives": collectives,
     "errors": errors,
     "objects": objects,

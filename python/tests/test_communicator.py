@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-import ferroccl
 import numpy as np
 import pytest
+
+import ferroccl
 
 COUNTS = [0, 1, 7, 131, 1000]
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.int8, np.uint8, np.uint32, np.uint64]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from harness import launch
 
 
@@ -94,3 +95,19 @@ def test_a_killed_rank_makes_every_other_rank_raise_naming_it() -> None:
         assert res["raised"] is not None, f"rank {r} did not notice"
         assert f"rank {victim}" in res["raised"], res
         assert res["after"] < timeout, res
+
+
+def test_desync_debug_names_the_ranks_and_both_calls() -> None:
+    ranks = launch("desync", 3, env={"FERROCCL_DESYNC_DEBUG": "1"}, timeout=120)
+    for r, res in enumerate(ranks.check()):
+        assert res["raised"] is not None, f"rank {r} did not notice"
+        text = res["raised"]
+        assert "[1]" in text and "count 5" in text and "count 4" in text, text
+
+
+def test_a_stalled_rank_is_named_by_the_watchdog() -> None:
+    ranks = launch("stalled", 3, "2", "3", timeout=120)
+    for r, res in enumerate(ranks.check()[:2]):
+        assert res["raised"] is not None, f"rank {r} did not notice"
+        assert "2" in res["raised"] and "timed out" in res["raised"], res
+        assert res["after"] < 15, res
