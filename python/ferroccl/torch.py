@@ -34,10 +34,15 @@ __all__ = ["FerrocclBackend", "register"]
 NAME = "ferroccl"
 
 
+_OP_NAMES: dict[Any, str] = {}
+
+
 def _reduce_op(op: Any) -> tuple[str, float | None]:
     """torch's ``ReduceOp`` (or its ``RedOpType``) as ferroccl's name and factor."""
     kind = getattr(op, "op", op)
-    name = kind.name
+    name = _OP_NAMES.get(kind)
+    if name is None:
+        name = _OP_NAMES.setdefault(kind, kind.name)
     if name != "PREMUL_SUM":
         return name, None
     factor = op.factor

@@ -213,11 +213,15 @@ impl Lent {
 
     fn tensor(t: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
         let py = t.py();
-        let device = t
-            .getattr(pyo3::intern!(py, "device"))?
-            .getattr(pyo3::intern!(py, "type"))?;
-        let device: String = device.extract()?;
-        if device != "cpu" {
+        let on_cpu = t
+            .getattr(pyo3::intern!(py, "is_cpu"))
+            .and_then(|c| c.extract::<bool>())
+            .unwrap_or(false);
+        if !on_cpu {
+            let device: String = t
+                .getattr(pyo3::intern!(py, "device"))?
+                .getattr(pyo3::intern!(py, "type"))?
+                .extract()?;
             return Err(crate::errors::value_error(format!(
                 "{what} is a {device} tensor: ferroccl runs collectives on CPU tensors \
                  (the CUDA path is not built yet)"

@@ -213,10 +213,10 @@ impl Communicator {
         factor: Option<f64>,
     ) -> PyResult<()> {
         let op = op_of(op, factor)?;
-        let input = Lent::borrow(send, "send", recv.is_none())?;
+        let input = Lent::borrow(send, "all_reduce: send", recv.is_none())?;
         let output = match recv {
-            Some(r) => Lent::borrow(r, "recv", true)?,
-            None => Lent::borrow(send, "send", true)?,
+            Some(r) => Lent::borrow(r, "all_reduce: recv", true)?,
+            None => Lent::borrow(send, "all_reduce: send", true)?,
         };
         let mut b = Batch::default();
         self.builder().all_reduce(&mut b, &input, &output, op)?;
@@ -233,8 +233,8 @@ impl Communicator {
         recv: Option<&Bound<'_, PyAny>>,
         root: i64,
     ) -> PyResult<()> {
-        let input = Lent::borrow(send, "send", recv.is_none())?;
-        let output = Lent::borrow(recv.unwrap_or(send), "recv", true)?;
+        let input = Lent::borrow(send, "broadcast: send", recv.is_none())?;
+        let output = Lent::borrow(recv.unwrap_or(send), "broadcast: recv", true)?;
         let mut b = Batch::default();
         self.builder().broadcast(&mut b, &input, &output, root)?;
         self.run(py, b)
@@ -253,8 +253,8 @@ impl Communicator {
         factor: Option<f64>,
     ) -> PyResult<()> {
         let op = op_of(op, factor)?;
-        let input = Lent::borrow(send, "send", recv.is_none())?;
-        let output = Lent::borrow(recv.unwrap_or(send), "recv", true)?;
+        let input = Lent::borrow(send, "reduce: send", recv.is_none())?;
+        let output = Lent::borrow(recv.unwrap_or(send), "reduce: recv", true)?;
         let mut b = Batch::default();
         self.builder().reduce(&mut b, &input, &output, root, op)?;
         self.run(py, b)
@@ -268,8 +268,8 @@ impl Communicator {
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (input, output) = (
-            Lent::borrow(send, "send", false)?,
-            Lent::borrow(recv, "recv", true)?,
+            Lent::borrow(send, "all_gather: send", false)?,
+            Lent::borrow(recv, "all_gather: recv", true)?,
         );
         let mut b = Batch::default();
         self.builder().all_gather(&mut b, &input, &output)?;
@@ -288,8 +288,8 @@ impl Communicator {
     ) -> PyResult<()> {
         let op = op_of(op, factor)?;
         let (input, output) = (
-            Lent::borrow(send, "send", false)?,
-            Lent::borrow(recv, "recv", true)?,
+            Lent::borrow(send, "reduce_scatter: send", false)?,
+            Lent::borrow(recv, "reduce_scatter: recv", true)?,
         );
         let mut b = Batch::default();
         self.builder().reduce_scatter(&mut b, &input, &output, op)?;
@@ -304,8 +304,8 @@ impl Communicator {
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (input, output) = (
-            Lent::borrow(send, "send", false)?,
-            Lent::borrow(recv, "recv", true)?,
+            Lent::borrow(send, "all_to_all: send", false)?,
+            Lent::borrow(recv, "all_to_all: recv", true)?,
         );
         let mut b = Batch::default();
         self.builder()
@@ -323,12 +323,12 @@ impl Communicator {
         recv: Option<&Bound<'_, PyAny>>,
         root: i64,
     ) -> PyResult<()> {
-        let input = Lent::borrow(send, "send", false)?;
+        let input = Lent::borrow(send, "gather: send", false)?;
         let mut b = Batch::default();
         let builder = self.builder();
         match recv {
             Some(r) if builder.rank as i64 == root => {
-                let output = Lent::borrow(r, "recv", true)?;
+                let output = Lent::borrow(r, "gather: recv", true)?;
                 builder.gather_flat(&mut b, &input, Some(&output), root)?;
             }
             _ => builder.gather_flat(&mut b, &input, None, root)?,
@@ -346,12 +346,12 @@ impl Communicator {
         recv: &Bound<'_, PyAny>,
         root: i64,
     ) -> PyResult<()> {
-        let output = Lent::borrow(recv, "recv", true)?;
+        let output = Lent::borrow(recv, "scatter: recv", true)?;
         let mut b = Batch::default();
         let builder = self.builder();
         match send {
             Some(s) if builder.rank as i64 == root => {
-                let input = Lent::borrow(s, "send", false)?;
+                let input = Lent::borrow(s, "scatter: send", false)?;
                 builder.scatter_flat(&mut b, Some(&input), &output, root)?;
             }
             _ => builder.scatter_flat(&mut b, None, &output, root)?,
@@ -361,7 +361,7 @@ impl Communicator {
 
     /// Sends `buf` to `peer`, which posts a matching `recv`.
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, peer: i64) -> PyResult<()> {
-        let lent = Lent::borrow(buf, "buf", false)?;
+        let lent = Lent::borrow(buf, "send: buf", false)?;
         let mut b = Batch::default();
         self.builder().send(&mut b, &lent, peer)?;
         self.run(py, b)
@@ -369,7 +369,7 @@ impl Communicator {
 
     /// Receives into `buf` from `peer`.
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, peer: i64) -> PyResult<()> {
-        let lent = Lent::borrow(buf, "buf", true)?;
+        let lent = Lent::borrow(buf, "recv: buf", true)?;
         let mut b = Batch::default();
         self.builder().recv(&mut b, &lent, peer)?;
         self.run(py, b)
@@ -607,7 +607,7 @@ impl ProcessGroup {
     ) -> PyResult<Work> {
         let op = op_of(op, factor)?;
         let mut b = Batch::default();
-        for t in Self::lend(&tensors, "tensors", true)? {
+        for t in Self::lend(&tensors, "allreduce: tensors", true)? {
             self.builder().all_reduce(&mut b, &t, &t, op)?;
         }
         let name = if tensors.len() > 1 {
@@ -628,7 +628,7 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let mut b = Batch::default();
-        for t in Self::lend(&tensors, "tensors", true)? {
+        for t in Self::lend(&tensors, "broadcast: tensors", true)? {
             self.builder().broadcast(&mut b, &t, &t, root)?;
         }
         self.issue(py, "broadcast", b, blocking)
@@ -647,7 +647,7 @@ impl ProcessGroup {
     ) -> PyResult<Work> {
         let op = op_of(op, factor)?;
         let mut b = Batch::default();
-        for t in Self::lend(&tensors, "tensors", true)? {
+        for t in Self::lend(&tensors, "reduce: tensors", true)? {
             self.builder().reduce(&mut b, &t, &t, root, op)?;
         }
         self.issue(py, "reduce", b, blocking)
@@ -664,8 +664,11 @@ impl ProcessGroup {
     ) -> PyResult<Work> {
         let mut b = Batch::default();
         lists_match("all_gather", outputs.len(), inputs.len())?;
-        for (out, input) in outputs.iter().zip(Self::lend(&inputs, "inputs", false)?) {
-            let out = Self::lend(out, "outputs", true)?;
+        for (out, input) in outputs
+            .iter()
+            .zip(Self::lend(&inputs, "allgather: inputs", false)?)
+        {
+            let out = Self::lend(out, "allgather: outputs", true)?;
             self.builder().all_gather_list(&mut b, &input, &out)?;
         }
         self.issue(py, "all_gather", b, blocking)
@@ -682,8 +685,11 @@ impl ProcessGroup {
     ) -> PyResult<Work> {
         let mut b = Batch::default();
         lists_match("all_gather", outputs.len(), inputs.len())?;
-        let ins = Self::lend(&inputs, "inputs", false)?;
-        for (o, i) in Self::lend(&outputs, "outputs", true)?.iter().zip(&ins) {
+        let ins = Self::lend(&inputs, "all_gather_single: inputs", false)?;
+        for (o, i) in Self::lend(&outputs, "all_gather_single: outputs", true)?
+            .iter()
+            .zip(&ins)
+        {
             self.builder().all_gather(&mut b, i, o)?;
         }
         self.issue(py, "all_gather", b, blocking)
@@ -700,10 +706,10 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let mut b = Batch::default();
-        let ins = Self::lend(&inputs, "inputs", false)?;
+        let ins = Self::lend(&inputs, "gather: inputs", false)?;
         for (i, input) in ins.iter().enumerate() {
             let out = match outputs.get(i) {
-                Some(o) if self.rank as i64 == root => Self::lend(o, "outputs", true)?,
+                Some(o) if self.rank as i64 == root => Self::lend(o, "gather: outputs", true)?,
                 _ => Vec::new(),
             };
             self.builder().gather(&mut b, input, &out, root)?;
@@ -722,9 +728,12 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let mut b = Batch::default();
-        for (i, output) in Self::lend(&outputs, "outputs", true)?.iter().enumerate() {
+        for (i, output) in Self::lend(&outputs, "scatter: outputs", true)?
+            .iter()
+            .enumerate()
+        {
             let ins = match inputs.get(i) {
-                Some(l) if self.rank as i64 == root => Self::lend(l, "inputs", false)?,
+                Some(l) if self.rank as i64 == root => Self::lend(l, "scatter: inputs", false)?,
                 _ => Vec::new(),
             };
             self.builder().scatter(&mut b, &ins, output, root)?;
@@ -747,8 +756,11 @@ impl ProcessGroup {
         let op = op_of(op, factor)?;
         lists_match("reduce_scatter", outputs.len(), inputs.len())?;
         let mut b = Batch::default();
-        for (o, ins) in Self::lend(&outputs, "outputs", true)?.iter().zip(&inputs) {
-            let ins = Self::lend(ins, "inputs", false)?;
+        for (o, ins) in Self::lend(&outputs, "reduce_scatter: outputs", true)?
+            .iter()
+            .zip(&inputs)
+        {
+            let ins = Self::lend(ins, "reduce_scatter: inputs", false)?;
             self.builder().reduce_scatter_list(&mut b, &ins, o, op)?;
         }
         self.issue(py, "reduce_scatter", b, blocking)
@@ -768,9 +780,12 @@ impl ProcessGroup {
     ) -> PyResult<Work> {
         let op = op_of(op, factor)?;
         lists_match("reduce_scatter", outputs.len(), inputs.len())?;
-        let ins = Self::lend(&inputs, "inputs", false)?;
+        let ins = Self::lend(&inputs, "reduce_scatter_single: inputs", false)?;
         let mut b = Batch::default();
-        for (o, i) in Self::lend(&outputs, "outputs", true)?.iter().zip(&ins) {
+        for (o, i) in Self::lend(&outputs, "reduce_scatter_single: outputs", true)?
+            .iter()
+            .zip(&ins)
+        {
             self.builder().reduce_scatter(&mut b, i, o, op)?;
         }
         self.issue(py, "reduce_scatter", b, blocking)
@@ -789,8 +804,8 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let (o, i) = (
-            Lent::borrow(output, "output", true)?,
-            Lent::borrow(input, "input", false)?,
+            Lent::borrow(output, "all_to_all_single: output", true)?,
+            Lent::borrow(input, "all_to_all_single: input", false)?,
         );
         let outs = (!output_splits.is_empty())
             .then(|| row_elements(output, &output_splits, "output"))
@@ -814,8 +829,8 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let (o, i) = (
-            Self::lend(&outputs, "outputs", true)?,
-            Self::lend(&inputs, "inputs", false)?,
+            Self::lend(&outputs, "alltoall: outputs", true)?,
+            Self::lend(&inputs, "alltoall: inputs", false)?,
         );
         let mut b = Batch::default();
         self.builder().all_to_all_list(&mut b, &i, &o)?;
@@ -832,7 +847,7 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let mut b = Batch::default();
-        for t in Self::lend(&tensors, "tensors", false)? {
+        for t in Self::lend(&tensors, "send: tensors", false)? {
             self.builder().send(&mut b, &t, peer)?;
         }
         self.issue(py, "send", b, blocking)
@@ -848,7 +863,7 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let mut b = Batch::default();
-        for t in Self::lend(&tensors, "tensors", true)? {
+        for t in Self::lend(&tensors, "recv: tensors", true)? {
             self.builder().recv(&mut b, &t, peer)?;
         }
         self.issue(py, "recv", b, blocking)
