@@ -128,6 +128,17 @@ fn run_copies(copies: &[Copy]) {
     }
 }
 
+/// How the lengths of a call's input and output relate.
+#[derive(Clone, Copy)]
+enum Blocks {
+    /// They are equal (all-reduce).
+    Equal,
+    /// The output is one block of the input's length per rank (all-gather).
+    OfOutput,
+    /// The input is one block of the output's length per rank (reduce-scatter).
+    OfInput,
+}
+
 /// Builds batches for one communicator of `nranks` ranks, where this is `rank`.
 pub struct Builder {
     /// This rank.
@@ -199,21 +210,32 @@ impl Builder {
         output: &Lent,
         op: ReduceOp,
     ) -> PyResult<()> {
-        let call = "all_reduce";
+        let call = ("all_reduce", Collective::AllReduce);
+        self.pair(batch, call, (input, output), Some(op), Blocks::Equal)
+    }
+
+    /// A call of `collective` reading all of `input` and writing all of `output`, of
+    /// one element type, their lengths related as `blocks` says.
+    fn pair(
+        &self,
+        batch: &mut Batch,
+        (call, collective): (&str, Collective),
+        (input, output): (&Lent, &Lent),
+        op: Option<ReduceOp>,
+        blocks: Blocks,
+    ) -> PyResult<()> {
         Self::same_elements(call, input, output)?;
         Self::writable(call, "output", output)?;
-        lengths(call, "input", input.len(), "output", output.len(), 1)?;
+        let (i, o, n) = (input.len(), output.len(), self.nranks);
+        let count = match blocks {
+            Blocks::Equal => lengths(call, "input", i, "output", o, 1).map(|()| i),
+            Blocks::OfOutput => lengths(call, "output", o, "input", i, n).map(|()| i),
+            Blocks::OfInput => lengths(call, "input", i, "output", o, n).map(|()| o),
+        }?;
         batch.hold(input);
         batch.hold(output);
-        let (e, n) = (input.elements, input.len());
-        Self::push(
-            batch,
-            call,
-            Collective::AllReduce,
-            (e, n),
-            Some(op),
-            (input.ptr, output.ptr),
-        )
+        let what = (input.elements, count);
+        Self::push(batch, call, collective, what, op, (input.ptr, output.ptr))
     }
 
     /// Broadcast of the root's `input` into every rank's `output`.
@@ -269,28 +291,8 @@ impl Builder {
 
     /// Every rank's `input`, concatenated by rank, into `output` (one buffer).
     pub fn all_gather(&self, batch: &mut Batch, input: &Lent, output: &Lent) -> PyResult<()> {
-        let call = "all_gather";
-        Self::same_elements(call, input, output)?;
-        Self::writable(call, "output", output)?;
-        lengths(
-            call,
-            "output",
-            output.len(),
-            "input",
-            input.len(),
-            self.nranks,
-        )?;
-        batch.hold(input);
-        batch.hold(output);
-        let (e, n) = (input.elements, input.len());
-        Self::push(
-            batch,
-            call,
-            Collective::AllGather,
-            (e, n),
-            None,
-            (input.ptr, output.ptr),
-        )
+        let call = ("all_gather", Collective::AllGather);
+        self.pair(batch, call, (input, output), None, Blocks::OfOutput)
     }
 
     /// Every rank's `input` into `outputs[r]` (one tensor per rank, anywhere): gathered
@@ -338,22 +340,8 @@ impl Builder {
         output: &Lent,
         op: ReduceOp,
     ) -> PyResult<()> {
-        let call = "reduce_scatter";
-        Self::same_elements(call, input, output)?;
-        Self::writable(call, "output", output)?;
-        lengths(
-            call,
-            "input",
-            input.len(),
-            "output",
-            output.len(),
-            self.nranks,
-        )?;
-        batch.hold(input);
-        batch.hold(output);
-        let (e, n) = (output.elements, output.len());
-        let c = Collective::ReduceScatter;
-        Self::push(batch, call, c, (e, n), Some(op), (input.ptr, output.ptr))
+        let call = ("reduce_scatter", Collective::ReduceScatter);
+        self.pair(batch, call, (input, output), Some(op), Blocks::OfInput)
     }
 
     /// Reduce-scatter from one tensor per rank (anywhere): copied into staging memory

@@ -1,15 +1,15 @@
 //! `ferroccl._ferroccl`: ferroccl's Rust core as a Python extension module.
 //!
-//! - [`Communicator`]: the NCCL-shaped API (`ncclCommInitRank`, collectives,
+//! - `Communicator`: the NCCL-shaped API (`ncclCommInitRank`, collectives,
 //!   send/recv, groups, split, abort) on buffers Python lends: numpy arrays, anything
 //!   with the buffer protocol, CPU torch tensors. Calls block, in the caller's thread,
 //!   with the GIL released.
-//! - [`ProcessGroup`]: the `pg` layer (flight recorder, watchdog, desync check) with
-//!   torch's backend methods, each returning a [`work::Work`]; `ferroccl.torch` wraps
+//! - `ProcessGroup`: the `pg` layer (flight recorder, watchdog, desync check) with
+//!   torch's backend methods, each returning a `Work` (`work.rs`); `ferroccl.torch` wraps
 //!   it as a `torch.distributed` backend.
 //!
 //! The binding decides nothing itself beyond turning Python objects into ferroccl's
-//! calls ([`calls`]); algorithms, protocols, transports and errors are the core's.
+//! calls (`calls.rs`); algorithms, protocols, transports and errors are the core's.
 
 #![warn(missing_docs)]
 
@@ -145,6 +145,23 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// Runs a call that reads all of `send` and writes `recv`, added by `add`.
+    fn send_recv(
+        &self,
+        py: Python<'_>,
+        call: &str,
+        (send, recv): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+        add: impl FnOnce(&Builder, &mut Batch, &Lent, &Lent) -> PyResult<()>,
+    ) -> PyResult<()> {
+        let input = Lent::borrow(send, &format!("{call}: send"), false)?;
+        let output = Lent::borrow(recv, &format!("{call}: recv"), true)?;
+        let mut b = Batch::default();
+        add(&self.builder(), &mut b, &input, &output)?;
+        self.run(py, b)
+    }
+}
+
 fn op_of(op: &str, factor: Option<f64>) -> PyResult<ReduceOp> {
     parse_op(op, factor)
 }
@@ -267,13 +284,9 @@ impl Communicator {
         send: &Bound<'_, PyAny>,
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (input, output) = (
-            Lent::borrow(send, "all_gather: send", false)?,
-            Lent::borrow(recv, "all_gather: recv", true)?,
-        );
-        let mut b = Batch::default();
-        self.builder().all_gather(&mut b, &input, &output)?;
-        self.run(py, b)
+        self.send_recv(py, "all_gather", (send, recv), |bu, b, i, o| {
+            bu.all_gather(b, i, o)
+        })
     }
 
     /// `recv` = block `rank` of `op(send of every rank)`; `send` has `size` blocks.
@@ -287,13 +300,9 @@ impl Communicator {
         factor: Option<f64>,
     ) -> PyResult<()> {
         let op = op_of(op, factor)?;
-        let (input, output) = (
-            Lent::borrow(send, "reduce_scatter: send", false)?,
-            Lent::borrow(recv, "reduce_scatter: recv", true)?,
-        );
-        let mut b = Batch::default();
-        self.builder().reduce_scatter(&mut b, &input, &output, op)?;
-        self.run(py, b)
+        self.send_recv(py, "reduce_scatter", (send, recv), |bu, b, i, o| {
+            bu.reduce_scatter(b, i, o, op)
+        })
     }
 
     /// Block `j` of `send` to rank `j`; block `i` of `recv` from rank `i`.
@@ -303,14 +312,9 @@ impl Communicator {
         send: &Bound<'_, PyAny>,
         recv: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (input, output) = (
-            Lent::borrow(send, "all_to_all: send", false)?,
-            Lent::borrow(recv, "all_to_all: recv", true)?,
-        );
-        let mut b = Batch::default();
-        self.builder()
-            .all_to_all(&mut b, &input, &output, None, None)?;
-        self.run(py, b)
+        self.send_recv(py, "all_to_all", (send, recv), |bu, b, i, o| {
+            bu.all_to_all(b, i, o, None, None)
+        })
     }
 
     /// The root's `recv` = every rank's `send`, concatenated by rank (`recv` is only
@@ -532,6 +536,24 @@ impl ProcessGroup {
         Ok(work)
     }
 
+    /// Issues one call per tensor of `tensors` (lent for writing when `write`), added
+    /// by `add`, together as `op`.
+    fn per_tensor(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        (tensors, write): (&[Bound<'_, PyAny>], bool),
+        blocking: bool,
+        add: impl Fn(&Builder, &mut Batch, &Lent) -> PyResult<()>,
+    ) -> PyResult<Work> {
+        let mut b = Batch::default();
+        let builder = self.builder();
+        for t in Self::lend(tensors, &format!("{op}: tensors"), write)? {
+            add(&builder, &mut b, &t)?;
+        }
+        self.issue(py, op, b, blocking)
+    }
+
     fn lend(objs: &[Bound<'_, PyAny>], what: &str, write: bool) -> PyResult<Vec<Lent>> {
         objs.iter()
             .enumerate()
@@ -606,16 +628,14 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let op = op_of(op, factor)?;
-        let mut b = Batch::default();
-        for t in Self::lend(&tensors, "allreduce: tensors", true)? {
-            self.builder().all_reduce(&mut b, &t, &t, op)?;
-        }
         let name = if tensors.len() > 1 {
             "allreduce_coalesced"
         } else {
             "all_reduce"
         };
-        self.issue(py, name, b, blocking)
+        self.per_tensor(py, name, (&tensors, true), blocking, |bu, b, t| {
+            bu.all_reduce(b, t, t, op)
+        })
     }
 
     /// In-place broadcast of each tensor from `root`.
@@ -627,11 +647,9 @@ impl ProcessGroup {
         root: i64,
         blocking: bool,
     ) -> PyResult<Work> {
-        let mut b = Batch::default();
-        for t in Self::lend(&tensors, "broadcast: tensors", true)? {
-            self.builder().broadcast(&mut b, &t, &t, root)?;
-        }
-        self.issue(py, "broadcast", b, blocking)
+        self.per_tensor(py, "broadcast", (&tensors, true), blocking, |bu, b, t| {
+            bu.broadcast(b, t, t, root)
+        })
     }
 
     /// In-place reduce of each tensor to `root`.
@@ -646,11 +664,9 @@ impl ProcessGroup {
         blocking: bool,
     ) -> PyResult<Work> {
         let op = op_of(op, factor)?;
-        let mut b = Batch::default();
-        for t in Self::lend(&tensors, "reduce: tensors", true)? {
-            self.builder().reduce(&mut b, &t, &t, root, op)?;
-        }
-        self.issue(py, "reduce", b, blocking)
+        self.per_tensor(py, "reduce", (&tensors, true), blocking, |bu, b, t| {
+            bu.reduce(b, t, t, root, op)
+        })
     }
 
     /// `outputs[i][r]` = rank `r`'s `inputs[i]`.
@@ -846,11 +862,9 @@ impl ProcessGroup {
         peer: i64,
         blocking: bool,
     ) -> PyResult<Work> {
-        let mut b = Batch::default();
-        for t in Self::lend(&tensors, "send: tensors", false)? {
-            self.builder().send(&mut b, &t, peer)?;
-        }
-        self.issue(py, "send", b, blocking)
+        self.per_tensor(py, "send", (&tensors, false), blocking, |bu, b, t| {
+            bu.send(b, t, peer)
+        })
     }
 
     /// Receives each tensor from `peer`.
@@ -862,11 +876,9 @@ impl ProcessGroup {
         peer: i64,
         blocking: bool,
     ) -> PyResult<Work> {
-        let mut b = Batch::default();
-        for t in Self::lend(&tensors, "recv: tensors", true)? {
-            self.builder().recv(&mut b, &t, peer)?;
-        }
-        self.issue(py, "recv", b, blocking)
+        self.per_tensor(py, "recv", (&tensors, true), blocking, |bu, b, t| {
+            bu.recv(b, t, peer)
+        })
     }
 
     /// Completes once every rank has called it.
