@@ -459,7 +459,40 @@ def stalled(laggard: str, timeout: str) -> None:
     os._exit(0)
 
 
+def waits() -> None:
+    """``Work.wait(timeout)`` gives up on a call that is still running (it goes on), and
+    ``monitored_barrier`` names a rank that does not arrive."""
+    dist.init_process_group("ferroccl", timeout=timedelta(seconds=60))
+    out: dict[str, Any] = {}
+    t = torch.zeros(4)
+    if RANK == 0:
+        work = dist.irecv(t, 1)
+        start = time.monotonic()
+        try:
+            work.wait(timedelta(seconds=0.5))
+            out["early_wait"] = None
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["early_wait"] = f"{type(e).__name__}: {e}"
+        out["waited"] = time.monotonic() - start
+        work.wait()  # rank 1 sends after 2 s
+        out["received"] = t.tolist()
+    elif RANK == 1:
+        time.sleep(2)
+        dist.send(torch.full((4,), 7.0), 0)
+    dist.monitored_barrier(timeout=timedelta(seconds=10))
+    out["monitored_barrier"] = "passed"
+    if RANK != WORLD - 1:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+            out["missing_rank"] = None
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["missing_rank"] = f"{type(e).__name__}: {e}"
+    emit(out)
+    os._exit(0)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
+    "waits": waits,
     "desync": desync,
     "stalled": stalled,
     "collectives": collectives,

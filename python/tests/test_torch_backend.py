@@ -111,3 +111,15 @@ def test_a_stalled_rank_is_named_by_the_watchdog() -> None:
         assert res["raised"] is not None, f"rank {r} did not notice"
         assert "2" in res["raised"] and "timed out" in res["raised"], res
         assert res["after"] < 15, res
+
+
+def test_wait_with_a_timeout_and_monitored_barrier() -> None:
+    world = 3
+    res = launch("waits", world, timeout=120).check()
+    assert res[0]["early_wait"] is not None and "timed out" in res[0]["early_wait"], res[0]
+    assert 0.4 < res[0]["waited"] < 2.0, res[0]
+    assert res[0]["received"] == [7.0] * 4
+    assert all(r["monitored_barrier"] == "passed" for r in res)
+    # The last rank skipped the second barrier: rank 0 names it, the others hear why.
+    assert f"Ranks {world - 1}" in res[0]["missing_rank"] or f"{world - 1}" in res[0]["missing_rank"], res[0]
+    assert res[1]["missing_rank"] is not None, res[1]
