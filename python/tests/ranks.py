@@ -491,7 +491,23 @@ def waits() -> None:
     os._exit(0)
 
 
+def split() -> None:
+    """With a bound device, torch makes sub-groups by splitting the default group's
+    backend (``Backend.split``; the rank outside takes part with no color)."""
+    dist.init_process_group("ferroccl", device_id=torch.device("cpu", 0), timeout=timedelta(seconds=60))
+    g = dist.new_group([0, 1])
+    out: dict[str, Any] = {}
+    if RANK < 2:
+        t = torch.full((3,), float(RANK + 1))
+        dist.all_reduce(t, group=g)
+        out = {"sum": t.tolist(), "backend": g._get_backend(torch.device("cpu"))._name}
+    dist.barrier()
+    dist.destroy_process_group()
+    emit(out)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
+    "split": split,
     "waits": waits,
     "desync": desync,
     "stalled": stalled,

@@ -123,3 +123,11 @@ def test_wait_with_a_timeout_and_monitored_barrier() -> None:
     # The last rank skipped the second barrier: rank 0 names it, the others hear why.
     assert f"Ranks {world - 1}" in res[0]["missing_rank"] or f"{world - 1}" in res[0]["missing_rank"], res[0]
     assert res[1]["missing_rank"] is not None, res[1]
+
+
+def test_sub_groups_split_from_a_bound_default_group() -> None:
+    res = launch("split", 3).check()
+    for r in (0, 1):
+        assert res[r]["sum"] == [3.0] * 3
+        assert res[r]["backend"].endswith("/split"), res[r]
+    assert res[2] == {}
