@@ -406,6 +406,18 @@ def dtensor(backend: str) -> None:
 # ----- faults ---------------------------------------------------------------------------
 
 
+def leave_together(ranks: int) -> None:
+    """Exits once `ranks` ranks have got here: rank 0 hosts the store, and a rank still
+    reading it (a desync check, a watchdog) must not lose it to rank 0's exit."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("ferroccl-test/left", 1)
+    if RANK == 0:
+        deadline = time.monotonic() + 60
+        while store.add("ferroccl-test/left", 0) < ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(0)
+
+
 def fault(victim: str, timeout: str) -> None:
     """Every rank all-reduces in a loop; the victim kills itself (SIGKILL) mid-loop. The
     others must raise, naming it, within the timeout."""
@@ -423,7 +435,7 @@ def fault(victim: str, timeout: str) -> None:
         emit({"raised": None})
     except Exception as e:  # noqa: BLE001 - the message is the result
         emit({"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start})
-    os._exit(0)
+    leave_together(WORLD - 1)
 
 
 def desync() -> None:
@@ -436,7 +448,7 @@ def desync() -> None:
         emit({"raised": None})
     except Exception as e:  # noqa: BLE001 - the message is the result
         emit({"raised": f"{type(e).__name__}: {e}"})
-    os._exit(0)
+    leave_together(WORLD)
 
 
 def stalled(laggard: str, timeout: str) -> None:
@@ -446,9 +458,9 @@ def stalled(laggard: str, timeout: str) -> None:
     t = torch.ones(4)
     dist.all_reduce(t)
     if RANK == int(laggard):
-        time.sleep(20)
+        time.sleep(12)
         emit({"raised": None})
-        os._exit(0)
+        leave_together(WORLD)
     start = time.monotonic()
     try:
         work = dist.all_reduce(t, async_op=True)
@@ -456,7 +468,7 @@ def stalled(laggard: str, timeout: str) -> None:
         emit({"raised": None})
     except Exception as e:  # noqa: BLE001 - the message is the result
         emit({"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start})
-    os._exit(0)
+    leave_together(WORLD)
 
 
 def waits() -> None:
@@ -488,7 +500,7 @@ def waits() -> None:
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["missing_rank"] = f"{type(e).__name__}: {e}"
     emit(out)
-    os._exit(0)
+    leave_together(WORLD)
 
 
 def split() -> None:
