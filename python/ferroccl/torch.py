@@ -324,7 +324,7 @@ class FerrocclBackend(_C10dBackend):
     def monitored_barrier(self, opts: Any, wait_all_ranks: bool = False) -> None:
         """A barrier that names the ranks that did not reach it within ``opts.timeout``."""
         timeout = _seconds(getattr(opts, "timeout", None)) or _seconds(self._timeout) or 1800.0
-        _monitored_barrier(self._store, self._pg, self.rank(), self.size(), timeout, wait_all_ranks)
+        _monitored_barrier(self._store, self.rank(), self.size(), timeout, wait_all_ranks)
 
     # ----- coalescing, groups, lifetime -----------------------------------------
 
@@ -370,9 +370,7 @@ class FerrocclBackend(_C10dBackend):
         return self._pg.flight_recorder()
 
 
-def _monitored_barrier(
-    store: Any, pg: _ferroccl.ProcessGroup, rank: int, size: int, timeout: float, wait_all_ranks: bool
-) -> None:
+def _monitored_barrier(store: Any, rank: int, size: int, timeout: float, wait_all_ranks: bool) -> None:
     """Rank 0 waits for every rank's arrival key, naming those that miss the deadline;
     the others wait for rank 0's release. Keys are numbered so calls do not mix."""
     seq = store.add("ferroccl/monitored_barrier/calls/" + str(rank), 1)
@@ -386,8 +384,9 @@ def _monitored_barrier(
             raise _ferroccl.FerrocclTimeoutError(
                 f"rank {rank}: monitored_barrier #{seq} timed out after {timeout:.3f} s waiting for rank 0"
             ) from e
-        if store.get(f"{prefix}/release") != b"ok":
-            raise _ferroccl.FerrocclError(store.get(f"{prefix}/release").decode())
+        verdict = store.get(f"{prefix}/release")
+        if verdict != b"ok":
+            raise _ferroccl.FerrocclError(verdict.decode())
         return
     missing = []
     for r in range(1, size):
@@ -407,7 +406,7 @@ def _monitored_barrier(
     store.set(f"{prefix}/release", b"ok")
 
 
-def _create(opts: Any, backend_options: Any) -> FerrocclBackend:
+def _create(opts: Any, backend_options: Any) -> FerrocclBackend | None:
     """torch's creator (extended API): one backend per process group."""
     if backend_options is None:
         backend_options = _C10dBackend.Options(NAME, timeout=opts.timeout)
@@ -415,10 +414,9 @@ def _create(opts: Any, backend_options: Any) -> FerrocclBackend:
     backend_options.global_ranks_in_group = opts.global_ranks_in_group
     backend_options.group_name = opts.group_id
     split_from = getattr(opts, "split_from", None)
-    if split_from is not None and isinstance(split_from, FerrocclBackend):
-        child = split_from.split(opts.store, opts.global_ranks_in_group, backend_options)
-        if child is not None:
-            return child
+    if isinstance(split_from, FerrocclBackend):
+        # torch splits only for members (the others call perform_nocolor_split).
+        return split_from.split(opts.store, opts.global_ranks_in_group, backend_options)
     return FerrocclBackend(
         opts.store,
         opts.group_rank,

@@ -181,8 +181,8 @@ fn format_elements(format: &str, itemsize: usize) -> Option<Elements> {
     Some(Elements::Typed(t))
 }
 
-/// A Python object's memory, lent to a call.
-pub struct Lent {
+/// A Python object's memory, lent to a call (while the interpreter is attached).
+pub struct Lent<'py> {
     /// First byte.
     pub ptr: *mut u8,
     /// Length in bytes.
@@ -192,10 +192,10 @@ pub struct Lent {
     /// Whether the memory may be written (a read-only buffer can only be sent).
     pub writable: bool,
     /// Keeps the memory alive (and exported) while a call uses it.
-    pub keep: Py<PyAny>,
+    pub keep: Bound<'py, PyAny>,
 }
 
-impl Lent {
+impl<'py> Lent<'py> {
     /// Elements of its type.
     pub fn len(&self) -> usize {
         self.bytes / self.elements.size()
@@ -204,14 +204,14 @@ impl Lent {
     /// Borrows the memory of `obj`: a CPU torch tensor, or an object with the buffer
     /// protocol (C-contiguous). `what` names the argument in errors; `write` asks for
     /// memory the call may write.
-    pub fn borrow(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> PyResult<Self> {
+    pub fn borrow(obj: &Bound<'py, PyAny>, what: &str, write: bool) -> PyResult<Self> {
         if obj.hasattr(pyo3::intern!(obj.py(), "data_ptr"))? {
             return Self::tensor(obj, what);
         }
         Self::buffer(obj, what, write)
     }
 
-    fn tensor(t: &Bound<'_, PyAny>, what: &str) -> PyResult<Self> {
+    fn tensor(t: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         let py = t.py();
         let on_cpu = t
             .getattr(pyo3::intern!(py, "is_cpu"))
@@ -250,11 +250,11 @@ impl Lent {
             bytes,
             elements,
             writable: true,
-            keep: t.clone().unbind(),
+            keep: t.clone(),
         })
     }
 
-    fn buffer(obj: &Bound<'_, PyAny>, what: &str, write: bool) -> PyResult<Self> {
+    fn buffer(obj: &Bound<'py, PyAny>, what: &str, write: bool) -> PyResult<Self> {
         let py = obj.py();
         let export = Export::new(obj, what, write)?;
         let view = &export.view;
@@ -283,7 +283,7 @@ impl Lent {
             bytes,
             elements,
             writable,
-            keep: Py::new(py, export)?.into_any(),
+            keep: Bound::new(py, export)?.into_any(),
         })
     }
 }

@@ -104,8 +104,7 @@ impl Batch {
     }
 
     fn hold(&mut self, lent: &Lent) {
-        // Every builder runs with the interpreter attached (it holds `Lent`s).
-        self.keep.push(Python::attach(|py| lent.keep.clone_ref(py)));
+        self.keep.push(lent.keep.clone().unbind());
     }
 
     /// Staging memory of `bytes`, owned by the batch.
@@ -126,6 +125,14 @@ fn run_copies(copies: &[Copy]) {
             unsafe { std::ptr::copy_nonoverlapping(c.from, c.to, c.bytes) };
         }
     }
+}
+
+/// The root's side of a gather or scatter.
+pub enum AtRoot<'a, 'py> {
+    /// One buffer of `nranks` blocks (`None` on ranks that pass none).
+    Flat(Option<&'a Lent<'py>>),
+    /// One tensor per rank, anywhere.
+    PerRank(&'a [Lent<'py>]),
 }
 
 /// How the lengths of a call's input and output relate.
@@ -545,13 +552,12 @@ impl Builder {
         Ok(())
     }
 
-    /// Every rank's `input` into the root's `outputs` (one buffer of nranks blocks, or
-    /// one tensor per rank).
+    /// Every rank's `input` into the root's `outputs` (only the root passes them).
     pub fn gather(
         &self,
         batch: &mut Batch,
         input: &Lent,
-        outputs: &[Lent],
+        outputs: AtRoot,
         root: i64,
     ) -> PyResult<()> {
         let call = "gather";
@@ -559,31 +565,19 @@ impl Builder {
         batch.hold(input);
         let mut out = std::ptr::null_mut();
         if self.rank == root {
-            self.one_per_rank(call, "output", outputs.len())?;
-            out = batch.staging(input.bytes * self.nranks);
-            for (r, o) in outputs.iter().enumerate() {
-                Self::same_elements(call, input, o)?;
-                Self::writable(call, "output", o)?;
-                lengths(call, "each output", o.len(), "input", input.len(), 1)?;
-                batch.hold(o);
-                batch.after.push(Copy {
-                    // SAFETY: block r of the staging memory of nranks × input.bytes.
-                    from: unsafe { out.add(r * input.bytes) },
-                    to: o.ptr,
-                    bytes: input.bytes,
-                });
-            }
+            out = self.root_buffer(batch, call, input, outputs, true)?;
         }
         let c = Collective::Gather { root };
         let (e, n) = (input.elements, input.len());
         Self::push(batch, call, c, (e, n), None, (input.ptr, out))
     }
 
-    /// Block `r` of the root's `inputs` (one tensor per rank) into rank `r`'s `output`.
+    /// Block `r` of the root's `inputs` (only the root passes them) into rank `r`'s
+    /// `output`.
     pub fn scatter(
         &self,
         batch: &mut Batch,
-        inputs: &[Lent],
+        inputs: AtRoot,
         output: &Lent,
         root: i64,
     ) -> PyResult<()> {
@@ -593,80 +587,66 @@ impl Builder {
         batch.hold(output);
         let mut from = std::ptr::null();
         if self.rank == root {
-            self.one_per_rank(call, "input", inputs.len())?;
-            let staged = batch.staging(output.bytes * self.nranks);
-            for (r, i) in inputs.iter().enumerate() {
-                Self::same_elements(call, i, output)?;
-                lengths(call, "each input", i.len(), "output", output.len(), 1)?;
-                batch.hold(i);
-                batch.before.push(Copy {
-                    from: i.ptr,
-                    // SAFETY: block r of the staging memory of nranks × output.bytes.
-                    to: unsafe { staged.add(r * output.bytes) },
-                    bytes: output.bytes,
-                });
+            from = self.root_buffer(batch, call, output, inputs, false)?;
+        }
+        let c = Collective::Scatter { root };
+        let (e, n) = (output.elements, output.len());
+        Self::push(batch, call, c, (e, n), None, (from, output.ptr))
+    }
+
+    /// The root's buffer of `nranks` blocks like `block` for a gather (`gathering`: it
+    /// is written) or a scatter (it is read): the one given, or staging memory copied
+    /// out to (gather) or in from (scatter) one tensor per rank.
+    fn root_buffer(
+        &self,
+        batch: &mut Batch,
+        call: &str,
+        block: &Lent,
+        given: AtRoot,
+        gathering: bool,
+    ) -> PyResult<*mut u8> {
+        let what = if gathering { "output" } else { "input" };
+        let check = |l: &Lent, whose: &str, times: usize| -> PyResult<()> {
+            if gathering {
+                Self::same_elements(call, block, l)?;
+                Self::writable(call, what, l)?;
+            } else {
+                Self::same_elements(call, l, block)?;
             }
-            from = staged;
+            let other = if gathering { "input" } else { "output" };
+            lengths(call, whose, l.len(), other, block.len(), times)
+        };
+        match given {
+            AtRoot::Flat(None) => Err(crate::errors::value_error(format!(
+                "{call}: the root needs an {what}"
+            ))),
+            AtRoot::Flat(Some(l)) => {
+                check(l, what, self.nranks)?;
+                batch.hold(l);
+                Ok(l.ptr)
+            }
+            AtRoot::PerRank(list) => {
+                self.one_per_rank(call, what, list.len())?;
+                let staged = batch.staging(block.bytes * self.nranks);
+                for (r, l) in list.iter().enumerate() {
+                    check(l, &format!("each {what}"), 1)?;
+                    batch.hold(l);
+                    // SAFETY: block r of the staging memory of nranks × block.bytes.
+                    let at = unsafe { staged.add(r * block.bytes) };
+                    let (copies, from, to) = if gathering {
+                        (&mut batch.after, at as *const u8, l.ptr)
+                    } else {
+                        (&mut batch.before, l.ptr as *const u8, at)
+                    };
+                    copies.push(Copy {
+                        from,
+                        to,
+                        bytes: block.bytes,
+                    });
+                }
+                Ok(staged)
+            }
         }
-        let c = Collective::Scatter { root };
-        let (e, n) = (output.elements, output.len());
-        Self::push(batch, call, c, (e, n), None, (from, output.ptr))
-    }
-
-    /// Every rank's `input` into the root's `output` (one buffer of nranks blocks; only
-    /// the root passes one).
-    pub fn gather_flat(
-        &self,
-        batch: &mut Batch,
-        input: &Lent,
-        output: Option<&Lent>,
-        root: i64,
-    ) -> PyResult<()> {
-        let call = "gather";
-        let root = self.check_rank(call, "root", root)?;
-        batch.hold(input);
-        let mut out = std::ptr::null_mut();
-        if self.rank == root {
-            let o = output.ok_or_else(|| {
-                crate::errors::value_error(format!("{call}: the root needs an output"))
-            })?;
-            Self::same_elements(call, input, o)?;
-            Self::writable(call, "output", o)?;
-            lengths(call, "output", o.len(), "input", input.len(), self.nranks)?;
-            batch.hold(o);
-            out = o.ptr;
-        }
-        let c = Collective::Gather { root };
-        let (e, n) = (input.elements, input.len());
-        Self::push(batch, call, c, (e, n), None, (input.ptr, out))
-    }
-
-    /// Block `r` of the root's `input` (one buffer of nranks blocks; only the root
-    /// passes one) into rank `r`'s `output`.
-    pub fn scatter_flat(
-        &self,
-        batch: &mut Batch,
-        input: Option<&Lent>,
-        output: &Lent,
-        root: i64,
-    ) -> PyResult<()> {
-        let call = "scatter";
-        let root = self.check_rank(call, "root", root)?;
-        Self::writable(call, "output", output)?;
-        batch.hold(output);
-        let mut from = std::ptr::null();
-        if self.rank == root {
-            let i = input.ok_or_else(|| {
-                crate::errors::value_error(format!("{call}: the root needs an input"))
-            })?;
-            Self::same_elements(call, i, output)?;
-            lengths(call, "input", i.len(), "output", output.len(), self.nranks)?;
-            batch.hold(i);
-            from = i.ptr;
-        }
-        let c = Collective::Scatter { root };
-        let (e, n) = (output.elements, output.len());
-        Self::push(batch, call, c, (e, n), None, (from, output.ptr))
     }
 
     /// A send of `buf` to `peer`.

@@ -22,15 +22,15 @@ mod work;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferroccl::Communicator as CoreCommunicator;
 use ferroccl::bootstrap::{Bootstrap, UniqueId as CoreUniqueId};
 use ferroccl::comm::CommConfig;
 use ferroccl::pg::{self, PgOptions};
-use ferroccl::{Communicator as CoreCommunicator, ReduceOp};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use buffers::Lent;
-use calls::{Batch, Builder, parse_op};
+use calls::{AtRoot, Batch, Builder, parse_op};
 use errors::IntoPy;
 use work::{Failure, Work};
 
@@ -162,10 +162,6 @@ impl Communicator {
     }
 }
 
-fn op_of(op: &str, factor: Option<f64>) -> PyResult<ReduceOp> {
-    parse_op(op, factor)
-}
-
 #[pymethods]
 impl Communicator {
     /// Joins the communicator named by `uid` as `rank` of `nranks`
@@ -229,7 +225,7 @@ impl Communicator {
         op: &str,
         factor: Option<f64>,
     ) -> PyResult<()> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         let input = Lent::borrow(send, "all_reduce: send", recv.is_none())?;
         let output = match recv {
             Some(r) => Lent::borrow(r, "all_reduce: recv", true)?,
@@ -269,7 +265,7 @@ impl Communicator {
         root: i64,
         factor: Option<f64>,
     ) -> PyResult<()> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         let input = Lent::borrow(send, "reduce: send", recv.is_none())?;
         let output = Lent::borrow(recv.unwrap_or(send), "reduce: recv", true)?;
         let mut b = Batch::default();
@@ -299,7 +295,7 @@ impl Communicator {
         op: &str,
         factor: Option<f64>,
     ) -> PyResult<()> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         self.send_recv(py, "reduce_scatter", (send, recv), |bu, b, i, o| {
             bu.reduce_scatter(b, i, o, op)
         })
@@ -333,9 +329,9 @@ impl Communicator {
         match recv {
             Some(r) if builder.rank as i64 == root => {
                 let output = Lent::borrow(r, "gather: recv", true)?;
-                builder.gather_flat(&mut b, &input, Some(&output), root)?;
+                builder.gather(&mut b, &input, AtRoot::Flat(Some(&output)), root)?;
             }
-            _ => builder.gather_flat(&mut b, &input, None, root)?,
+            _ => builder.gather(&mut b, &input, AtRoot::Flat(None), root)?,
         }
         self.run(py, b)
     }
@@ -356,9 +352,9 @@ impl Communicator {
         match send {
             Some(s) if builder.rank as i64 == root => {
                 let input = Lent::borrow(s, "scatter: send", false)?;
-                builder.scatter_flat(&mut b, Some(&input), &output, root)?;
+                builder.scatter(&mut b, AtRoot::Flat(Some(&input)), &output, root)?;
             }
-            _ => builder.scatter_flat(&mut b, None, &output, root)?,
+            _ => builder.scatter(&mut b, AtRoot::Flat(None), &output, root)?,
         }
         self.run(py, b)
     }
@@ -554,7 +550,7 @@ impl ProcessGroup {
         self.issue(py, op, b, blocking)
     }
 
-    fn lend(objs: &[Bound<'_, PyAny>], what: &str, write: bool) -> PyResult<Vec<Lent>> {
+    fn lend<'py>(objs: &[Bound<'py, PyAny>], what: &str, write: bool) -> PyResult<Vec<Lent<'py>>> {
         objs.iter()
             .enumerate()
             .map(|(i, o)| Lent::borrow(o, &format!("{what}[{i}]"), write))
@@ -627,7 +623,7 @@ impl ProcessGroup {
         factor: Option<f64>,
         blocking: bool,
     ) -> PyResult<Work> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         let name = if tensors.len() > 1 {
             "allreduce_coalesced"
         } else {
@@ -663,7 +659,7 @@ impl ProcessGroup {
         factor: Option<f64>,
         blocking: bool,
     ) -> PyResult<Work> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         self.per_tensor(py, "reduce", (&tensors, true), blocking, |bu, b, t| {
             bu.reduce(b, t, t, root, op)
         })
@@ -728,7 +724,8 @@ impl ProcessGroup {
                 Some(o) if self.rank as i64 == root => Self::lend(o, "gather: outputs", true)?,
                 _ => Vec::new(),
             };
-            self.builder().gather(&mut b, input, &out, root)?;
+            self.builder()
+                .gather(&mut b, input, AtRoot::PerRank(&out), root)?;
         }
         self.issue(py, "gather", b, blocking)
     }
@@ -752,7 +749,8 @@ impl ProcessGroup {
                 Some(l) if self.rank as i64 == root => Self::lend(l, "scatter: inputs", false)?,
                 _ => Vec::new(),
             };
-            self.builder().scatter(&mut b, &ins, output, root)?;
+            self.builder()
+                .scatter(&mut b, AtRoot::PerRank(&ins), output, root)?;
         }
         self.issue(py, "scatter", b, blocking)
     }
@@ -769,7 +767,7 @@ impl ProcessGroup {
         factor: Option<f64>,
         blocking: bool,
     ) -> PyResult<Work> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         lists_match("reduce_scatter", outputs.len(), inputs.len())?;
         let mut b = Batch::default();
         for (o, ins) in Self::lend(&outputs, "reduce_scatter: outputs", true)?
@@ -794,7 +792,7 @@ impl ProcessGroup {
         factor: Option<f64>,
         blocking: bool,
     ) -> PyResult<Work> {
-        let op = op_of(op, factor)?;
+        let op = parse_op(op, factor)?;
         lists_match("reduce_scatter", outputs.len(), inputs.len())?;
         let ins = Self::lend(&inputs, "reduce_scatter_single: inputs", false)?;
         let mut b = Batch::default();
@@ -936,12 +934,11 @@ impl ProcessGroup {
     fn shutdown(&self, py: Python<'_>) {
         let taken = self.pg.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(pg) = taken {
-            py.detach(move || {
-                pg.communicator().flush();
-                match Arc::try_unwrap(pg) {
-                    Ok(pg) => drop(pg.destroy()),
-                    Err(pg) => drop(pg),
-                }
+            // Destroying finishes the calls issued so far; a group still shared (a call
+            // in flight on another thread holds it) is finished and left to that call.
+            py.detach(move || match Arc::try_unwrap(pg) {
+                Ok(pg) => drop(pg.destroy()),
+                Err(pg) => pg.communicator().flush(),
             });
         }
     }

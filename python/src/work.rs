@@ -75,23 +75,24 @@ fn notifier() -> &'static Mutex<Sender<Callbacks>> {
                 }
             });
         if let Err(e) = spawned {
-            tracing_error(&format!("cannot start the callback thread: {e}"));
+            // Callbacks will then never run; say so once rather than fail every call.
+            eprintln!("ferroccl: cannot start the callback thread: {e}");
         }
         Mutex::new(tx)
     })
 }
 
-fn tracing_error(text: &str) {
-    eprintln!("ferroccl: {text}");
+/// What a callback is called with: None on success, else the exception.
+fn callback_arg(py: Python<'_>, result: &Result<(), Failure>) -> Py<PyAny> {
+    match result {
+        Ok(()) => py.None(),
+        Err(f) => f.to_py().into_value(py).into_any(),
+    }
 }
 
 fn run_callbacks(py: Python<'_>, callbacks: Vec<Py<PyAny>>, result: &Result<(), Failure>) {
     for cb in callbacks {
-        let arg = match result {
-            Ok(()) => py.None(),
-            Err(f) => f.to_py().into_value(py).into_any(),
-        };
-        if let Err(e) = cb.call1(py, (arg,)) {
+        if let Err(e) = cb.call1(py, (callback_arg(py, result),)) {
             // A callback's own error must not stop the others (or the thread).
             e.print(py);
         }
@@ -224,10 +225,9 @@ impl Work {
 
     /// The exception the call failed with, or None.
     fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        match self.result() {
-            Some(Err(f)) => Some(f.to_py().into_value(py).into_any()),
-            _ => None,
-        }
+        self.result()
+            .filter(Result::is_err)
+            .map(|r| callback_arg(py, &r))
     }
 
     /// Calls `callback(error)` once the call has run (`error` is None on success, else
@@ -244,11 +244,7 @@ impl Work {
             }
         };
         if let Some(r) = done {
-            let arg = match r {
-                Ok(()) => py.None(),
-                Err(f) => f.to_py().into_value(py).into_any(),
-            };
-            callback.call1(py, (arg,))?;
+            callback.call1(py, (callback_arg(py, &r),))?;
         }
         Ok(())
     }

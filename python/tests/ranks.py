@@ -23,6 +23,15 @@ RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 
 
+def failure(call: Callable[[], Any]) -> str | None:
+    """What ``call`` raised, as ``Type: message``, or None when it returned."""
+    try:
+        call()
+        return None
+    except Exception as e:  # noqa: BLE001 - the message is what the tests check
+        return f"{type(e).__name__}: {e}"
+
+
 def emit(result: Any) -> None:
     with open(os.environ["FERROCCL_TEST_RESULT"], "w") as f:
         json.dump(result, f)
@@ -261,11 +270,7 @@ def errors() -> None:
     if torch.cuda.is_available():  # pragma: no cover - no GPU in CI
         cases["cuda"] = lambda: dist.all_reduce(torch.ones(2, device="cuda"))
     for name, call in cases.items():
-        try:
-            call()
-            seen[name] = None
-        except Exception as e:  # noqa: BLE001 - the message is what is checked
-            seen[name] = f"{type(e).__name__}: {e}"
+        seen[name] = failure(call)
     # int16 moves (broadcast) even though it cannot be reduced
     t = torch.full((3,), RANK, dtype=torch.int16)
     dist.broadcast(t, 0)
@@ -426,15 +431,15 @@ def fault(victim: str, timeout: str) -> None:
     t = torch.ones(1 << 16)
     dist.all_reduce(t)
     dist.barrier()
-    start = time.monotonic()
-    try:
+
+    def loop() -> None:
         for i in range(10_000):
             if RANK == victim_rank and i == 20:
                 os.kill(os.getpid(), signal.SIGKILL)
             dist.all_reduce(t)
-        emit({"raised": None})
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        emit({"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start})
+
+    start = time.monotonic()
+    emit({"raised": failure(loop), "after": time.monotonic() - start})
     leave_together(WORLD - 1)
 
 
@@ -443,11 +448,7 @@ def desync() -> None:
     FERROCCL_DESYNC_DEBUG=1 every rank raises, naming the ranks and both calls."""
     dist.init_process_group("ferroccl", timeout=timedelta(seconds=30))
     t = torch.ones(5 if RANK == 1 else 4)
-    try:
-        dist.all_reduce(t)
-        emit({"raised": None})
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        emit({"raised": f"{type(e).__name__}: {e}"})
+    emit({"raised": failure(lambda: dist.all_reduce(t))})
     leave_together(WORLD)
 
 
@@ -462,12 +463,8 @@ def stalled(laggard: str, timeout: str) -> None:
         emit({"raised": None})
         leave_together(WORLD)
     start = time.monotonic()
-    try:
-        work = dist.all_reduce(t, async_op=True)
-        work.wait()
-        emit({"raised": None})
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        emit({"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start})
+    raised = failure(lambda: dist.all_reduce(t, async_op=True).wait())
+    emit({"raised": raised, "after": time.monotonic() - start})
     leave_together(WORLD)
 
 
@@ -480,11 +477,7 @@ def waits() -> None:
     if RANK == 0:
         work = dist.irecv(t, 1)
         start = time.monotonic()
-        try:
-            work.wait(timedelta(seconds=0.5))
-            out["early_wait"] = None
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            out["early_wait"] = f"{type(e).__name__}: {e}"
+        out["early_wait"] = failure(lambda: work.wait(timedelta(seconds=0.5)))
         out["waited"] = time.monotonic() - start
         work.wait()  # rank 1 sends after 2 s
         out["received"] = t.tolist()
@@ -494,11 +487,7 @@ def waits() -> None:
     dist.monitored_barrier(timeout=timedelta(seconds=10))
     out["monitored_barrier"] = "passed"
     if RANK != WORLD - 1:
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
-            out["missing_rank"] = None
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            out["missing_rank"] = f"{type(e).__name__}: {e}"
+        out["missing_rank"] = failure(lambda: dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True))
     emit(out)
     leave_together(WORLD)
 

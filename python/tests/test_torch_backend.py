@@ -30,21 +30,14 @@ def assert_close(a: list[list[float]], b: list[list[float]], what: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_trains_like_gloo(world: int) -> None:
-    ours = launch("ddp", world, "ferroccl").check()
-    gloo = launch("ddp", world, "gloo").check()
+@pytest.mark.parametrize(("scenario", "steps"), [("ddp", 10), ("fsdp", 6)])
+def test_training_matches_gloo(scenario: str, steps: int, world: int) -> None:
+    # DDP, and FSDP2 (fully_shard): the same model, data and steps on both backends.
+    ours = launch(scenario, world, "ferroccl", str(steps)).check()
+    gloo = launch(scenario, world, "gloo", str(steps)).check()
     for r in range(1, world):
         assert ours[r]["weights"] == ours[0]["weights"], f"rank {r} differs bitwise from rank 0"
-    assert_close(ours[0]["weights"], gloo[0]["weights"], "ferroccl vs gloo after 10 DDP steps")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_trains_like_gloo(world: int) -> None:
-    ours = launch("fsdp", world, "ferroccl").check()
-    gloo = launch("fsdp", world, "gloo").check()
-    for r in range(1, world):
-        assert ours[r]["weights"] == ours[0]["weights"], f"rank {r} differs bitwise from rank 0"
-    assert_close(ours[0]["weights"], gloo[0]["weights"], "ferroccl vs gloo after 6 FSDP2 steps")
+    assert_close(ours[0]["weights"], gloo[0]["weights"], f"ferroccl vs gloo after {steps} {scenario} steps")
 
 
 def test_dtensor_redistribute_on_a_2x2_mesh_like_gloo() -> None:

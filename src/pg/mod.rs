@@ -127,12 +127,7 @@ pub struct Work<R> {
 
 impl<R> Work<R> {
     fn settle(&mut self, r: Result<R>) {
-        // A call the watchdog gave up on reports the watchdog's diagnosis, not the
-        // abort that ended it.
-        self.done = Some(match (r, self.entry.watchdog_error(self.rank)) {
-            (Err(_), Some(e)) => Err(e),
-            (r, _) => r,
-        });
+        self.done = Some(verdict(&self.entry, self.rank, r));
     }
 
     fn poll(&mut self, wait: Duration) {
@@ -191,6 +186,23 @@ impl<R> Work<R> {
     pub fn seq(&self) -> u64 {
         self.entry.seq
     }
+}
+
+/// A call's outcome as reported: a call the watchdog gave up on reports the watchdog's
+/// diagnosis, not the abort that ended it.
+fn verdict<R>(entry: &Entry, rank: usize, r: Result<R>) -> Result<R> {
+    match (r, entry.watchdog_error(rank)) {
+        (Err(_), Some(e)) => Err(e),
+        (r, _) => r,
+    }
+}
+
+/// Runs `call`, recording its start and end in `entry`.
+fn recorded<R>(entry: &Entry, call: impl FnOnce() -> Result<R>) -> Result<R> {
+    entry.start();
+    let r = call();
+    entry.finish(r.is_ok());
+    r
 }
 
 /// What runs around a raw call, on the thread that runs it (see
@@ -384,7 +396,7 @@ impl ProcessGroup {
 
     /// Numbers a call, checks it against the other ranks when the desync check is on,
     /// and records it.
-    fn schedule(&self, call: &Call) -> Result<Arc<Entry>> {
+    fn schedule(&self, call: Call) -> Result<Arc<Entry>> {
         let p2p = is_p2p(call.op);
         let seq = if p2p {
             self.inner.p2p_seq.fetch_add(1, Ordering::SeqCst)
@@ -397,7 +409,7 @@ impl ProcessGroup {
         Ok(self
             .inner
             .recorder
-            .schedule(seq, call.op, call.dtype.clone(), call.count, call.peer))
+            .schedule(seq, call.op, call.dtype, call.count, call.peer))
     }
 
     /// Issues a collective on the progress thread.
@@ -406,14 +418,18 @@ impl ProcessGroup {
         call: Call,
         run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
     ) -> Result<Work<R>> {
-        let entry = self.schedule(&call)?;
+        let entry = self.schedule(call)?;
+        self.submit(entry, run)
+    }
+
+    /// Runs a scheduled call on the progress thread.
+    fn submit<R: Send + 'static>(
+        &self,
+        entry: Arc<Entry>,
+        run: impl FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    ) -> Result<Work<R>> {
         let e = entry.clone();
-        let pending = self.inner.comm.submit(move |c| {
-            e.start();
-            let r = run(c);
-            e.finish(r.is_ok());
-            r
-        })?;
+        let pending = self.inner.comm.submit(move |c| recorded(&e, || run(c)))?;
         Ok(Work {
             pending: Some(pending),
             done: None,
@@ -445,27 +461,21 @@ impl ProcessGroup {
         blocking: bool,
         around: Around,
     ) -> Result<Work<K>> {
-        let entry = self.schedule(&Call::of_raw(op, &calls))?;
+        let entry = self.schedule(Call::of_raw(op, &calls))?;
         let rank = self.rank();
         let run = move |comm: &Communicator, entry: &Entry| -> Result<K> {
-            entry.start();
             if let Some(before) = around.before {
                 before();
             }
             // SAFETY: forwarded from this function's contract.
-            let r = unsafe { comm.group_raw(&calls) };
-            entry.finish(r.is_ok());
-            let r = match (r, entry.watchdog_error(rank)) {
-                (Err(_), Some(e)) => Err(e),
-                (r, _) => r,
-            };
+            let r = verdict(entry, rank, unsafe { comm.group_raw(&calls) });
             if let Some(after) = around.after {
                 after(r.as_ref().map(|_| ()));
             }
             r.map(|()| keep)
         };
         if blocking {
-            let done = run(&self.inner.comm, &entry);
+            let done = recorded(&entry, || run(&self.inner.comm, &entry));
             return Ok(Work {
                 pending: None,
                 done: Some(done),
@@ -480,15 +490,9 @@ impl ProcessGroup {
         unsafe impl<F> Send for Lent<F> {}
         let lent = Lent(run);
         let e = entry.clone();
-        let pending = self.inner.comm.submit(move |c| {
+        self.submit(entry, move |c| {
             let lent = lent;
             (lent.0)(c, &e)
-        })?;
-        Ok(Work {
-            pending: Some(pending),
-            done: None,
-            entry,
-            rank,
         })
     }
 
