@@ -137,6 +137,13 @@ pub enum Error {
         what: String,
     },
 
+    /// The CUDA driver or NVRTC is missing, or one of their calls failed.
+    #[error("CUDA: {what}")]
+    Cuda {
+        /// What was asked of CUDA and what it answered (or why it could not be asked).
+        what: String,
+    },
+
     /// A collective could not complete because a peer failed: its process died, or it
     /// closed or aborted its communicator.
     #[error("rank {rank}: {op} #{seq} failed: {detail}")]

@@ -74,6 +74,7 @@ pub mod bootstrap;
 #[cfg(feature = "capi")]
 pub mod capi;
 pub mod comm;
+pub mod cuda;
 pub mod ddp;
 pub mod engine;
 pub mod error;

@@ -16,7 +16,6 @@
 
 #![allow(non_snake_case)]
 
-pub mod cuda;
 pub mod group;
 pub mod handle;
 
@@ -28,6 +27,7 @@ use std::sync::{Mutex, OnceLock};
 
 use crate::bootstrap::{UNIQUE_ID_BYTES, UniqueId};
 use crate::comm::{CommConfig, Communicator, RawCall};
+use crate::cuda::{self, PointerKind};
 use crate::error::Error;
 use crate::lock;
 use crate::plan::Collective;
@@ -36,6 +36,8 @@ use handle::{CommHandle, Life, UserOp};
 
 /// `ncclSuccess`.
 pub const SUCCESS: c_int = 0;
+/// `ncclUnhandledCudaError`: a CUDA call failed, or CUDA is missing.
+pub const UNHANDLED_CUDA_ERROR: c_int = 1;
 /// `ncclSystemError`: the network, the store or the operating system failed.
 pub const SYSTEM_ERROR: c_int = 2;
 /// `ncclInternalError`: a bug in ferroccl (a caught panic).
@@ -85,6 +87,7 @@ pub fn result_of(e: &Error) -> c_int {
         | Error::KeyTooLong { .. }
         | Error::ValueTooLarge { .. } => INVALID_ARGUMENT,
         Error::Unsupported { .. } => INVALID_USAGE,
+        Error::Cuda { .. } => UNHANDLED_CUDA_ERROR,
         Error::Aborted { reason, .. } if reason == crate::engine::ABORTED_BY_USER => INVALID_USAGE,
         Error::PeerFailed { .. }
         | Error::Timeout { .. }
@@ -161,10 +164,11 @@ pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar,
     if ptr.is_null() {
         return Err(invalid("scalar is NULL"));
     }
-    if cuda::is_device_pointer(ptr) {
+    if cuda::pointer_kind(ptr) == PointerKind::Device {
         return Err(Failure::new(
             INVALID_USAGE,
-            "the pre-mul-sum scalar is in device memory, which ferroccl does not support yet",
+            "the pre-mul-sum scalar is in device memory: the C ABI runs collectives on host \
+             memory only (see the README, \"GPUs\")",
         ));
     }
     // SAFETY: the caller promised one readable element of `dtype`.
@@ -238,12 +242,13 @@ unsafe fn collective(
         ("sendbuff", sendbuff),
         ("recvbuff", recvbuff as *const c_void),
     ] {
-        if cuda::is_device_pointer(ptr) {
+        if cuda::pointer_kind(ptr) == PointerKind::Device {
             return Err(Failure::new(
                 INVALID_USAGE,
                 format!(
-                    "{name} {ptr:?} is CUDA device memory: device memory is not supported yet \
-                     (ferroccl runs collectives on host memory)"
+                    "{name} {ptr:?} is CUDA device memory: the C ABI runs collectives on \
+                     host memory only; ferroccl's device executor is not yet launched from \
+                     it (see the README, \"GPUs\")"
                 ),
             ));
         }
@@ -254,7 +259,7 @@ unsafe fn collective(
     };
     if !stream.is_null() {
         // SAFETY: the caller's stream handle, as NCCL takes it.
-        unsafe { cuda::synchronize(stream) }.map_err(invalid)?;
+        unsafe { cuda::synchronize(stream) }.map_err(|e| Failure::from_error(&e))?;
     }
     let call = RawCall {
         collective,

@@ -124,6 +124,30 @@ impl Kernel {
         self.dtype
     }
 
+    /// The op's number in the device kernels (`FCCL_OP_*` in `kernels/ferroccl.cuh`:
+    /// sum 0, prod 1, max 2, min 3, avg 4, pre-mul-sum 5).
+    pub fn device_op(&self) -> u32 {
+        match self.op {
+            Op::Sum => 0,
+            Op::Prod => 1,
+            Op::Max => 2,
+            Op::Min => 3,
+            Op::Avg => 4,
+            Op::PreMulSum => 5,
+        }
+    }
+
+    /// The pre-mul-sum scalar's bits in the element type, zero-extended (0 for other
+    /// ops): what the device kernels take.
+    pub fn scalar_bits(&self) -> u64 {
+        self.scalar
+    }
+
+    /// The number of ranks (avg's divisor).
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
     /// Whether [`pre`](Self::pre) changes data: true only for pre-mul-sum (otherwise it
     /// is a plain copy, and a caller may skip it when source and destination coincide).
     pub fn has_pre(&self) -> bool {

@@ -1,0 +1,298 @@
+//! The CUDA kernels (`kernels/*.cu`), checked without a GPU:
+//!
+//! - **compiled for real GPUs**: NVRTC (fetched from PyPI by `tools/fetch-nvrtc`; it
+//!   needs no GPU) compiles every source to a cubin for sm_80 and sm_90 with ptxas's
+//!   report, and the test holds every entry point to zero spills and a register budget;
+//! - **run on the CPU**: the same sources compiled as host C++ through
+//!   `kernels/host/shim.h` (thread blocks as host threads), so their logic runs here:
+//!   the reduction kernels against the host kernels of `ferroccl::reduce`, and the device
+//!   executor, with N simulated GPUs sharing FIFOs, against the host engine, bit for bit
+//!   over the collective grid.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use ferroccl::comm::{CommConfig, Communicator};
+use ferroccl::cuda::nvrtc;
+use ferroccl::cuda::work::{self, FcclFifo, FcclOp, FcclWork, FifoEnd};
+use ferroccl::plan::{Algorithm, Collective};
+use ferroccl::reduce::Kernel;
+use ferroccl::transport::Protocol;
+use ferroccl::{DataType, Element, ReduceOp, Scalar};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Most registers per thread an entry point may use. The element-wise kernels: 64, so
+/// that 1024-thread blocks fit an SM's 64 Ki registers. The executor (one block per
+/// channel, 256 threads; every step kind of every dtype in one kernel, as a group may
+/// fuse operations of several dtypes): 96, so that two channels' blocks share an SM.
+fn register_budget(entry: &str) -> u32 {
+    if entry == "ferroccl_execute" { 96 } else { 64 }
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90_with_no_spills_within_the_register_budget() {
+    let out = Command::new(root().join("tools/fetch-nvrtc"))
+        .output()
+        .expect("run tools/fetch-nvrtc");
+    assert!(
+        out.status.success(),
+        "tools/fetch-nvrtc failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = root().join(String::from_utf8_lossy(&out.stdout).trim());
+    // SAFETY: set before any thread of this test binary reads the environment for NVRTC
+    // (only this test compiles; `compiler` reads the variable once).
+    unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
+    let compiler = nvrtc::compiler().expect("NVRTC loads from the wheel");
+    println!("NVRTC {}.{}", compiler.version.0, compiler.version.1);
+    for arch in [(8, 0), (9, 0)] {
+        for source in nvrtc::KERNELS {
+            let cubin = nvrtc::compile(&source, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                cubin.image.starts_with(b"\x7fELF"),
+                "{}: a cubin is an ELF image",
+                source.name
+            );
+            let reports = cubin.entries();
+            let mut names: Vec<&str> = reports.iter().map(|r| r.name.as_str()).collect();
+            names.sort_unstable();
+            let mut expected = source.entries.to_vec();
+            expected.sort_unstable();
+            assert_eq!(
+                names, expected,
+                "{} sm_{}{}:\n{}",
+                source.name, arch.0, arch.1, cubin.log
+            );
+            for r in &reports {
+                println!(
+                    "sm_{}{} {:<18} {:>3} registers, {} B spill stores, {} B spill loads",
+                    arch.0, arch.1, r.name, r.registers, r.spill_stores, r.spill_loads
+                );
+                assert_eq!(r.spill_stores, 0, "{r:?}\n{}", cubin.log);
+                assert_eq!(r.spill_loads, 0, "{r:?}\n{}", cubin.log);
+                assert!(
+                    r.registers > 0 && r.registers <= register_budget(&r.name),
+                    "{r:?}: over the budget of {}",
+                    register_budget(&r.name)
+                );
+            }
+        }
+    }
+    // Cached: the second request is the same image.
+    let a = nvrtc::cubin(&nvrtc::EXECUTOR, (9, 0)).unwrap();
+    let b = nvrtc::cubin(&nvrtc::EXECUTOR, (9, 0)).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &b));
+}
+
+// ----- the host build of the kernels ------------------------------------------------
+
+/// `kernels/host/entry.cpp` built as a shared library, once per test process.
+fn host_kernels() -> &'static libloading::Library {
+    static LIB: OnceLock<libloading::Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "libferroccl_kernels_host_{}.so",
+            std::process::id()
+        ));
+        let status = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-ffp-contract=off",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-shared",
+                "-fPIC",
+                "-pthread",
+                "-o",
+            ])
+            .arg(&out)
+            .arg(root().join("kernels/host/entry.cpp"))
+            .status()
+            .expect("run the C++ compiler (c++)");
+        assert!(status.success(), "kernels/host/entry.cpp does not compile");
+        // SAFETY: our own library; its initialisers are the C++ runtime's.
+        let lib = unsafe { libloading::Library::new(&out) }.expect("load the host kernels");
+        let _ = std::fs::remove_file(&out);
+        lib
+    })
+}
+
+type ExecuteFn = unsafe extern "C" fn(*const FcclWork, u32);
+type ReduceFn = unsafe extern "C" fn(u32, u32, *mut u8, *const u8, *const u8, u64, u32, u32, u64);
+type PreFn = unsafe extern "C" fn(u32, u32, *mut u8, *const u8, u64, u32, u32, u64);
+type PostFn = unsafe extern "C" fn(u32, u32, *mut u8, u64, u32, u32, u32);
+
+fn symbol<T: Copy>(name: &str) -> T {
+    // SAFETY: each name is looked up with the C signature entry.cpp gives it.
+    unsafe { *host_kernels().get::<T>(name.as_bytes()).expect(name) }
+}
+
+#[test]
+fn the_executor_structures_have_the_same_layout_in_rust_and_cpp() {
+    let abi: unsafe extern "C" fn(*mut u64) = symbol("ferroccl_host_abi");
+    let mut sizes = [0u64; 6];
+    // SAFETY: writes six sizes.
+    unsafe { abi(sizes.as_mut_ptr()) };
+    let rust = [
+        size_of::<work::FcclRegion>(),
+        size_of::<work::FcclStep>(),
+        size_of::<work::FcclLane>(),
+        size_of::<FcclFifo>(),
+        size_of::<FcclOp>(),
+        size_of::<FcclWork>(),
+    ]
+    .map(|s| s as u64);
+    assert_eq!(sizes, rust);
+}
+
+/// Memory aligned to 16 bytes (so the kernels' vector path runs), zeroed.
+struct Aligned(Vec<u128>);
+
+impl Aligned {
+    fn new(bytes: usize) -> Self {
+        Aligned(vec![0; bytes.div_ceil(16).max(1)])
+    }
+    fn ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr() as *mut u8
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the vector's memory, as bytes.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const u8, self.0.len() * 16) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the vector's memory, as bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut u8, self.0.len() * 16) }
+    }
+}
+
+/// Element `i` of test data for `dtype`: any bits for integers (sums and products wrap),
+/// small values for floats (whole, halves, signed zeros), so that results are exact or
+/// saturate alike everywhere.
+fn element(dtype: DataType, seed: u64, out: &mut [u8]) {
+    let x = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(17)
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    const FLOATS: [f64; 10] = [-3.0, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0];
+    let v = FLOATS[(x >> 40) as usize % FLOATS.len()];
+    ferroccl::with_element_type!(dtype, T => {
+        let e: T = if dtype.is_float() { T::from_f64(v) } else { T::from_f64(0.0) };
+        // SAFETY: T is a plain value type of out.len() bytes.
+        let mut bytes = unsafe {
+            std::slice::from_raw_parts(&e as *const T as *const u8, size_of::<T>())
+        }
+        .to_vec();
+        if !dtype.is_float() {
+            bytes.copy_from_slice(&x.to_le_bytes()[..size_of::<T>()]);
+        }
+        out.copy_from_slice(&bytes);
+    });
+}
+
+fn ops() -> [ReduceOp; 6] {
+    [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+        ReduceOp::PreMulSum(Scalar::Int(-3)),
+    ]
+}
+
+#[test]
+fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
+    let reduce: ReduceFn = symbol("ferroccl_host_reduce");
+    let pre: PreFn = symbol("ferroccl_host_pre");
+    let post: PostFn = symbol("ferroccl_host_post");
+    let mut cases = 0;
+    for dtype in DataType::ALL {
+        let e = dtype.size();
+        for op in ops() {
+            for nranks in [1usize, 3, 200] {
+                let k = Kernel::new(dtype, op, nranks).unwrap();
+                for n in [0usize, 1, 7, 16, 33, 1000] {
+                    // Offsets that leave the three buffers aligned alike, and not.
+                    for (sa, sb, sd) in [(0, 0, 0), (1, 1, 1), (0, 1, 2)] {
+                        let mut a = Aligned::new((n + 4) * e);
+                        let mut b = Aligned::new((n + 4) * e);
+                        for i in 0..n {
+                            element(
+                                dtype,
+                                (i * 2) as u64,
+                                &mut a.bytes_mut()[(sa + i) * e..][..e],
+                            );
+                            element(
+                                dtype,
+                                (i * 2 + 1) as u64,
+                                &mut b.bytes_mut()[(sb + i) * e..][..e],
+                            );
+                        }
+                        let (mut want, mut got) =
+                            (Aligned::new((n + 4) * e), Aligned::new((n + 4) * e));
+                        // SAFETY: every buffer holds n + 4 elements from its offset on.
+                        unsafe {
+                            let (pa, pb) = (a.ptr().add(sa * e), b.ptr().add(sb * e));
+                            k.reduce(want.ptr().add(sd * e), pa, pb, n);
+                            reduce(
+                                2,
+                                3,
+                                got.ptr().add(sd * e),
+                                pa,
+                                pb,
+                                n as u64,
+                                dtype as u32,
+                                k.device_op(),
+                                k.scalar_bits(),
+                            );
+                        }
+                        assert_eq!(
+                            want.bytes(),
+                            got.bytes(),
+                            "reduce {dtype} {op} n={n} offsets {sa},{sb},{sd}"
+                        );
+                        // SAFETY: as above.
+                        unsafe {
+                            let pb = b.ptr().add(sb * e);
+                            k.pre(want.ptr().add(sd * e), pb, n);
+                            pre(
+                                2,
+                                3,
+                                got.ptr().add(sd * e),
+                                pb,
+                                n as u64,
+                                dtype as u32,
+                                k.device_op(),
+                                k.scalar_bits(),
+                            );
+                            k.post(want.ptr().add(sd * e), n);
+                            post(
+                                2,
+                                3,
+                                got.ptr().add(sd * e),
+                                n as u64,
+                                dtype as u32,
+                                k.device_op(),
+                                nranks as u32,
+                            );
+                        }
+                        assert_eq!(
+                            want.bytes(),
+                            got.bytes(),
+                            "pre+post {dtype} {op} nranks={nranks} n={n}"
+                        );
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("{cases} cases of reduce, pre and post agree bit for bit");
+}
