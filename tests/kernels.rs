@@ -296,3 +296,294 @@ fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
     }
     println!("{cases} cases of reduce, pre and post agree bit for bit");
 }
+
+// ----- the device executor against the host engine ----------------------------------
+
+/// Slots of every simulated FIFO, and bytes per slot by protocol: small, so that every
+/// step is cut into many slices (a Simple slot carries 32 eight-byte elements).
+const SLOTS: u32 = 8;
+const SIMPLE_SLOT_BYTES: u32 = 256;
+const LL_SLOT_BYTES: u32 = 1024;
+/// The plans' chunk: at most half of the smallest FIFO (8 × 256 B), as the host's rule
+/// that keeps rings from deadlocking asks.
+const CHUNK_BYTES: usize = 1024;
+
+/// One FIFO between two simulated GPUs, in memory both reach.
+struct SimFifo {
+    head: Box<u64>,
+    tail: Box<u64>,
+    sizes: Vec<u32>,
+    data: Aligned,
+}
+
+/// Raw pointers handed to the rank threads.
+struct Shared<T>(T);
+// SAFETY: the pointed-to memory outlives the threads (they are scoped) and the executor
+// synchronises its accesses to the FIFOs itself.
+unsafe impl<T> Send for Shared<T> {}
+
+/// One grid point.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    collective: Collective,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    in_place: bool,
+    protocol: Protocol,
+}
+
+/// A rank's buffers for one case: `mem` holds the input and output (separately, or one
+/// inside the other when in place).
+struct RankBuffers {
+    input: Aligned,
+    output: Aligned,
+    /// In place: the output lies at `output_at` elements into the input, or the input at
+    /// `input_at` into the output.
+    input_at: Option<usize>,
+    output_at: Option<usize>,
+}
+
+impl RankBuffers {
+    fn new(case: &Case, rank: usize, nranks: usize) -> Self {
+        let e = case.dtype.size();
+        let (in_len, out_len) = case.collective.buffer_lens(case.count, rank, nranks);
+        // In place where the call defines it and the rank has both buffers.
+        let input_at = case
+            .in_place
+            .then(|| case.collective.input_in_output(case.count, rank))
+            .flatten()
+            .filter(|at| at + in_len <= out_len);
+        let output_at = case
+            .in_place
+            .then(|| case.collective.output_in_input(case.count, rank))
+            .flatten()
+            .filter(|at| at + out_len <= in_len);
+        let mut input = Aligned::new(in_len * e);
+        let mut output = Aligned::new(out_len * e);
+        output.bytes_mut().fill(0xA5);
+        let seed = |i: usize| (rank * 1_000_003 + i) as u64;
+        if let Some(at) = input_at {
+            for i in 0..in_len {
+                element(case.dtype, seed(i), &mut output.bytes_mut()[(at + i) * e..][..e]);
+            }
+        } else {
+            for i in 0..in_len {
+                element(case.dtype, seed(i), &mut input.bytes_mut()[i * e..][..e]);
+            }
+        }
+        RankBuffers {
+            input,
+            output,
+            input_at,
+            output_at,
+        }
+    }
+
+    /// The input and output pointers of the call.
+    fn pointers(&mut self, e: usize) -> (*mut u8, *mut u8) {
+        let (i, o) = (self.input.ptr(), self.output.ptr());
+        match (self.input_at, self.output_at) {
+            // SAFETY (both arms): the offset is inside the buffer (buffer_lens).
+            (Some(at), _) => (unsafe { o.add(at * e) }, o),
+            (_, Some(at)) => (i, unsafe { i.add(at * e) }),
+            _ => (i, o),
+        }
+    }
+
+    /// What the call wrote: the output, or the whole buffer when in place.
+    fn result(&self) -> &[u8] {
+        if self.output_at.is_some() {
+            self.input.bytes()
+        } else {
+            self.output.bytes()
+        }
+    }
+}
+
+fn config(channels: usize, algorithm: Algorithm) -> CommConfig {
+    CommConfig {
+        timeout: std::time::Duration::from_secs(60),
+        channels,
+        slot_bytes: 4096,
+        chunk_bytes: CHUNK_BYTES,
+        algorithms: vec![algorithm],
+        protocols: vec![Protocol::Simple],
+        ..CommConfig::default()
+    }
+}
+
+/// Runs `case` on the host engine and on the executor (one simulated GPU per rank) and
+/// checks every rank's result is the same, bit for bit. Returns the lanes run.
+fn check(comms: &[Communicator], case: Case) -> usize {
+    let n = comms.len();
+    let e = case.dtype.size();
+    let reducing = case.collective.is_reducing();
+    // The host engine.
+    let mut host: Vec<RankBuffers> = (0..n).map(|r| RankBuffers::new(&case, r, n)).collect();
+    std::thread::scope(|s| {
+        for (comm, b) in comms.iter().zip(host.iter_mut()) {
+            let (i, o) = b.pointers(e);
+            let (i, o) = (Shared(i), Shared(o));
+            s.spawn(move || {
+                let (i, o) = (i, o);
+                // SAFETY: the buffers hold what the call reads and writes.
+                unsafe { comm.collective_raw(case.collective, case.count, case.dtype, case.op, i.0, o.0) }
+                    .unwrap_or_else(|err| panic!("{case:?}: host engine: {err}"));
+            });
+        }
+    });
+    // The executor, on the plans the engine ran.
+    let mut device: Vec<RankBuffers> = (0..n).map(|r| RankBuffers::new(&case, r, n)).collect();
+    let slot_bytes = match case.protocol {
+        Protocol::Simple => SIMPLE_SLOT_BYTES,
+        Protocol::LL => LL_SLOT_BYTES,
+    };
+    let mut fifos: HashMap<(usize, usize, usize), SimFifo> = HashMap::new();
+    let mut per_rank = Vec::new();
+    for (r, comm) in comms.iter().enumerate() {
+        let plan = comm.plan_for(case.collective, case.count, case.dtype).unwrap();
+        let laid = work::lay_out(&plan, &[case.protocol]).unwrap();
+        let mut scratch = Aligned::new(plan.scratch_elems(0) * e);
+        let kernel = Kernel::new(case.dtype, if reducing { case.op } else { ReduceOp::Sum }, n).unwrap();
+        let (i, o) = device[r].pointers(e);
+        let ops = vec![FcclOp::new(&kernel, reducing, i as *const _, o as *mut _, scratch.ptr() as *mut _)];
+        let mut stages: Vec<Aligned> = Vec::new();
+        let mut ends: Vec<FcclFifo> = Vec::new();
+        for end in &laid.fifos {
+            let FifoEnd { channel, peer, sends, .. } = *end;
+            let key = if sends { (channel, r, peer) } else { (channel, peer, r) };
+            let f = fifos.entry(key).or_insert_with(|| SimFifo {
+                head: Box::new(0),
+                tail: Box::new(0),
+                sizes: vec![0; SLOTS as usize],
+                data: Aligned::new((SLOTS * slot_bytes) as usize),
+            });
+            stages.push(Aligned::new(slot_bytes as usize));
+            ends.push(FcclFifo {
+                head: &mut *f.head,
+                tail: &mut *f.tail,
+                sizes: f.sizes.as_mut_ptr(),
+                data: f.data.ptr(),
+                stage: stages.last_mut().unwrap().ptr(),
+                slots: SLOTS,
+                slot_bytes,
+                protocol: match case.protocol {
+                    Protocol::Simple => 0,
+                    Protocol::LL => 1,
+                },
+                pad: 0,
+            });
+        }
+        let status = vec![u32::MAX; laid.lanes.len()];
+        per_rank.push((laid, ops, ends, stages, scratch, status));
+    }
+    let execute: ExecuteFn = symbol("ferroccl_host_execute");
+    let abort = std::sync::atomic::AtomicU32::new(0);
+    let finished = std::sync::atomic::AtomicUsize::new(0);
+    let mut lanes = 0;
+    std::thread::scope(|s| {
+        for (laid, ops, ends, _, _, status) in per_rank.iter_mut() {
+            lanes += laid.lanes.len();
+            let w = Shared(FcclWork {
+                lanes: laid.lanes.as_ptr(),
+                steps: laid.steps.as_ptr(),
+                fifos: ends.as_ptr(),
+                ops: ops.as_ptr(),
+                status: status.as_mut_ptr(),
+                abort: abort.as_ptr() as *const u32,
+                nlanes: laid.lanes.len() as u32,
+                pad: 0,
+            });
+            let finished = &finished;
+            s.spawn(move || {
+                let w = w;
+                // SAFETY: the work's arrays and buffers live until the scope ends.
+                unsafe { execute(&w.0, 3) };
+                finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
+        // A hang is a failure, not a stuck test: give up after a minute.
+        let start = std::time::Instant::now();
+        while finished.load(std::sync::atomic::Ordering::SeqCst) < n {
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                abort.store(1, std::sync::atomic::Ordering::SeqCst);
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    });
+    for (r, (_, _, _, _, _, status)) in per_rank.iter().enumerate() {
+        for (lane, &st) in status.iter().enumerate() {
+            assert_eq!(st, 0, "{case:?}: rank {r} lane {lane}: {}", work::status_name(st));
+        }
+    }
+    for r in 0..n {
+        assert!(
+            host[r].result() == device[r].result(),
+            "{case:?} on {n} ranks: rank {r}'s result differs from the host engine's"
+        );
+    }
+    lanes
+}
+
+#[test]
+fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
+    const COUNTS: [usize; 7] = [0, 1, 2, 7, 13, 97, 1031];
+    let mut rot = 0usize;
+    let (mut cases, mut lanes) = (0, 0);
+    let mut seen = std::collections::HashSet::new();
+    for n in [1usize, 2, 3, 4, 5, 8] {
+        let mut algorithms = vec![Algorithm::Ring, Algorithm::Tree];
+        if n == 2 {
+            algorithms.push(Algorithm::OneShot);
+        }
+        for algorithm in algorithms {
+            for channels in [1, 2] {
+                let comms = Communicator::init_all_with(n, config(channels, algorithm)).unwrap();
+                for collective in Collective::every(n) {
+                    // A deterministic pseudo-random pick of the other dimensions.
+                    rot += 1;
+                    let h = (rot as u64)
+                        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                        .rotate_left(29)
+                        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    let pick = |shift: u32, n: usize| (h >> shift) as usize % n;
+                    let case = Case {
+                        collective,
+                        count: COUNTS[pick(20, COUNTS.len())],
+                        dtype: DataType::ALL[pick(0, 12)],
+                        op: ops()[pick(8, 6)],
+                        in_place: pick(16, 2) == 1,
+                        protocol: Protocol::ALL[pick(17, 2)],
+                    };
+                    seen.insert((case.dtype as u32, case.op.name(), case.protocol.name(), case.in_place));
+                    lanes += check(&comms, case);
+                    cases += 1;
+                }
+                // Every dtype × op on the all-reduce, both protocols, in and out of place.
+                if n == 3 || (n == 4 && channels == 2) {
+                    for (i, dtype) in DataType::ALL.into_iter().enumerate() {
+                        for (j, op) in ops().into_iter().enumerate() {
+                            for protocol in Protocol::ALL {
+                                let case = Case {
+                                    collective: Collective::AllReduce,
+                                    count: 97 + i + j,
+                                    dtype,
+                                    op,
+                                    in_place: (i + j) % 2 == 0,
+                                    protocol,
+                                };
+                                lanes += check(&comms, case);
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{cases} cases ({lanes} lanes) equal the host engine bit for bit");
+    println!("{} of the 288 dtype × op × protocol × in-place combinations", seen.len());
+    assert!(seen.len() > 150, "the picks cover dtypes × ops × protocols × in-place");
+}
