@@ -9,6 +9,10 @@
 //!   executor, with N simulated GPUs sharing FIFOs, against the host engine, bit for bit
 //!   over the collective grid.
 
+// Only `nvrtc_from_pypi` of the shared helpers is used here.
+#[allow(unused_imports)]
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -36,18 +40,7 @@ fn register_budget(entry: &str) -> u32 {
 
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90_with_no_spills_within_the_register_budget() {
-    let out = Command::new(root().join("tools/fetch-nvrtc"))
-        .output()
-        .expect("run tools/fetch-nvrtc");
-    assert!(
-        out.status.success(),
-        "tools/fetch-nvrtc failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = root().join(String::from_utf8_lossy(&out.stdout).trim());
-    // SAFETY: set before any thread of this test binary reads the environment for NVRTC
-    // (only this test compiles; `compiler` reads the variable once).
-    unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
+    common::nvrtc_from_pypi();
     let compiler = nvrtc::compiler().expect("NVRTC loads from the wheel");
     println!("NVRTC {}.{}", compiler.version.0, compiler.version.1);
     for arch in [(8, 0), (9, 0)] {
@@ -186,7 +179,7 @@ fn element(dtype: DataType, seed: u64, out: &mut [u8]) {
         let e: T = if dtype.is_float() { T::from_f64(v) } else { T::from_f64(0.0) };
         // SAFETY: T is a plain value type of out.len() bytes.
         let mut bytes = unsafe {
-            std::slice::from_raw_parts(&e as *const T as *const u8, size_of::<T>())
+            std::slice::from_raw_parts(std::ptr::from_ref(&e).cast::<u8>(), size_of::<T>())
         }
         .to_vec();
         if !dtype.is_float() {
@@ -365,7 +358,11 @@ impl RankBuffers {
         let seed = |i: usize| (rank * 1_000_003 + i) as u64;
         if let Some(at) = input_at {
             for i in 0..in_len {
-                element(case.dtype, seed(i), &mut output.bytes_mut()[(at + i) * e..][..e]);
+                element(
+                    case.dtype,
+                    seed(i),
+                    &mut output.bytes_mut()[(at + i) * e..][..e],
+                );
             }
         } else {
             for i in 0..in_len {
@@ -428,8 +425,10 @@ fn check(comms: &[Communicator], case: Case) -> usize {
             s.spawn(move || {
                 let (i, o) = (i, o);
                 // SAFETY: the buffers hold what the call reads and writes.
-                unsafe { comm.collective_raw(case.collective, case.count, case.dtype, case.op, i.0, o.0) }
-                    .unwrap_or_else(|err| panic!("{case:?}: host engine: {err}"));
+                unsafe {
+                    comm.collective_raw(case.collective, case.count, case.dtype, case.op, i.0, o.0)
+                }
+                .unwrap_or_else(|err| panic!("{case:?}: host engine: {err}"));
             });
         }
     });
@@ -442,17 +441,39 @@ fn check(comms: &[Communicator], case: Case) -> usize {
     let mut fifos: HashMap<(usize, usize, usize), SimFifo> = HashMap::new();
     let mut per_rank = Vec::new();
     for (r, comm) in comms.iter().enumerate() {
-        let plan = comm.plan_for(case.collective, case.count, case.dtype).unwrap();
+        let plan = comm
+            .plan_for(case.collective, case.count, case.dtype)
+            .unwrap();
         let laid = work::lay_out(&plan, &[case.protocol]).unwrap();
         let mut scratch = Aligned::new(plan.scratch_elems(0) * e);
-        let kernel = Kernel::new(case.dtype, if reducing { case.op } else { ReduceOp::Sum }, n).unwrap();
+        let kernel = Kernel::new(
+            case.dtype,
+            if reducing { case.op } else { ReduceOp::Sum },
+            n,
+        )
+        .unwrap();
         let (i, o) = device[r].pointers(e);
-        let ops = vec![FcclOp::new(&kernel, reducing, i as *const _, o as *mut _, scratch.ptr() as *mut _)];
+        let ops = vec![FcclOp::new(
+            &kernel,
+            reducing,
+            i as *const _,
+            o as *mut _,
+            scratch.ptr() as *mut _,
+        )];
         let mut stages: Vec<Aligned> = Vec::new();
         let mut ends: Vec<FcclFifo> = Vec::new();
         for end in &laid.fifos {
-            let FifoEnd { channel, peer, sends, .. } = *end;
-            let key = if sends { (channel, r, peer) } else { (channel, peer, r) };
+            let FifoEnd {
+                channel,
+                peer,
+                sends,
+                ..
+            } = *end;
+            let key = if sends {
+                (channel, r, peer)
+            } else {
+                (channel, peer, r)
+            };
             let f = fifos.entry(key).or_insert_with(|| SimFifo {
                 head: Box::new(0),
                 tail: Box::new(0),
@@ -515,7 +536,12 @@ fn check(comms: &[Communicator], case: Case) -> usize {
     });
     for (r, (_, _, _, _, _, status)) in per_rank.iter().enumerate() {
         for (lane, &st) in status.iter().enumerate() {
-            assert_eq!(st, 0, "{case:?}: rank {r} lane {lane}: {}", work::status_name(st));
+            assert_eq!(
+                st,
+                0,
+                "{case:?}: rank {r} lane {lane}: {}",
+                work::status_name(st)
+            );
         }
     }
     for r in 0..n {
@@ -557,7 +583,12 @@ fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
                         in_place: pick(16, 2) == 1,
                         protocol: Protocol::ALL[pick(17, 2)],
                     };
-                    seen.insert((case.dtype as u32, case.op.name(), case.protocol.name(), case.in_place));
+                    seen.insert((
+                        case.dtype as u32,
+                        case.op.name(),
+                        case.protocol.name(),
+                        case.in_place,
+                    ));
                     lanes += check(&comms, case);
                     cases += 1;
                 }
@@ -584,6 +615,12 @@ fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
         }
     }
     println!("{cases} cases ({lanes} lanes) equal the host engine bit for bit");
-    println!("{} of the 288 dtype × op × protocol × in-place combinations", seen.len());
-    assert!(seen.len() > 150, "the picks cover dtypes × ops × protocols × in-place");
+    println!(
+        "{} of the 288 dtype × op × protocol × in-place combinations",
+        seen.len()
+    );
+    assert!(
+        seen.len() > 150,
+        "the picks cover dtypes × ops × protocols × in-place"
+    );
 }

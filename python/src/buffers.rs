@@ -223,8 +223,9 @@ impl<'py> Lent<'py> {
                 .getattr(pyo3::intern!(py, "type"))?
                 .extract()?;
             return Err(crate::errors::value_error(format!(
-                "{what} is a {device} tensor: ferroccl runs collectives on CPU tensors \
-                 (the CUDA path is not built yet)"
+                "{what} is a {device} tensor: ferroccl's Python binding runs collectives \
+                 on CPU memory only (its CUDA kernels, kernels/*.cu, are built and tested \
+                 but not yet launched from Python: see the README, \"GPUs\")"
             )));
         }
         let dtype: String = t.getattr(pyo3::intern!(py, "dtype"))?.str()?.extract()?;

@@ -128,6 +128,8 @@ def test_group_send_recv_split_and_torch_tensors() -> None:
 
 
 def test_wrong_arguments_raise_invalid_argument_errors() -> None:
+    torch = pytest.importorskip("torch")  # provisioned by the test command; never skipped there
+
     def body(c: ferroccl.Communicator) -> list[str]:
         msgs = []
         for call in [
@@ -138,6 +140,7 @@ def test_wrong_arguments_raise_invalid_argument_errors() -> None:
             lambda: c.all_reduce(b"read-only bytes"),
             lambda: c.all_gather(np.ones(2), np.ones(3)),
             lambda: c.send(np.ones(2), c.rank),
+            lambda: c.all_reduce(torch.empty(4, device="meta")),
         ]:
             with pytest.raises(ferroccl.InvalidArgumentError) as e:
                 call()
@@ -154,6 +157,7 @@ def test_wrong_arguments_raise_invalid_argument_errors() -> None:
     assert "root 5" in msgs[2]
     assert "bitwise" in msgs[3]
     assert "writable" in msgs[4]
+    assert "meta tensor" in msgs[6] and "CPU memory only" in msgs[6]
 
 
 def test_unique_id_round_trips() -> None:

@@ -193,12 +193,14 @@ pub fn pointer_kind(ptr: *const c_void) -> PointerKind {
 /// `stream` must be a CUDA stream handle of this process (or NULL, the legacy default
 /// stream).
 pub unsafe fn synchronize(stream: *mut c_void) -> Result<()> {
-    driver().map_err(|e| Error::Cuda {
-        what: format!(
-            "a CUDA stream was given but it cannot be synchronised ({e}); pass a NULL \
-             stream with host memory"
-        ),
-    })?;
+    if let Err(Error::Cuda { what }) = driver() {
+        return Err(Error::Cuda {
+            what: format!(
+                "a CUDA stream was given but it cannot be waited on: {what}; pass a NULL \
+                 stream with host memory"
+            ),
+        });
+    }
     // SAFETY: the driver is loaded; `stream` is the caller's handle, passed through.
     unsafe {
         check(

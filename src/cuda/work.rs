@@ -149,6 +149,18 @@ pub struct FcclWork {
     pub pad: u32,
 }
 
+// SAFETY (all five): plain `#[repr(C)]` data whose pointers are device addresses (or
+// null), copied to the device or passed as a kernel argument by value.
+unsafe impl cudarc::driver::DeviceRepr for FcclLane {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for FcclStep {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for FcclFifo {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for FcclOp {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for FcclWork {}
+
 /// A lane's outcome as the executor reports it.
 pub fn status_name(status: u32) -> &'static str {
     match status {

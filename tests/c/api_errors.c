@@ -58,7 +58,7 @@ int main(void) {
                ncclInvalidArgument, "overflows");
   expect_error("a stream without CUDA",
                ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, comm, (cudaStream_t)a),
-               ncclInvalidArgument, "no CUDA driver");
+               ncclUnhandledCudaError, "no CUDA driver");
   int device = -1;
   expect_error("cuDevice of a host comm", ncclCommCuDevice(comm, &device), ncclInvalidUsage,
                "no CUDA device");

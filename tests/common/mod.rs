@@ -137,3 +137,22 @@ fn call_in_place<T: Element>(
 pub fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)
 }
+
+/// Points ferroccl at NVRTC from the `nvidia-cuda-nvrtc` wheel (`tools/fetch-nvrtc`,
+/// which needs no GPU) and returns its directory. Call it before anything compiles.
+pub fn nvrtc_from_pypi() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new(root.join("tools/fetch-nvrtc"))
+        .output()
+        .expect("run tools/fetch-nvrtc");
+    assert!(
+        out.status.success(),
+        "tools/fetch-nvrtc failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = root.join(String::from_utf8_lossy(&out.stdout).trim());
+    // SAFETY: set before ferroccl reads it (once, on its first compilation); the tests
+    // that call this set the same value.
+    unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
+    dir
+}

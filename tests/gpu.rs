@@ -1,0 +1,262 @@
+//! The CUDA kernels on a real GPU. Without a CUDA device every test here prints
+//! `SKIPPED` with the reason and passes: CI machines have no GPU (`tests/kernels.rs` runs
+//! the same kernels there, compiled with NVRTC and run as host C++).
+//!
+//! With a device (run `cargo test --test gpu -- --nocapture` on a machine with an NVIDIA
+//! driver): NVRTC compiles the kernels for the device's architecture, and
+//! - the element-wise kernels equal the host kernels bit for bit, every dtype × op;
+//! - the device executor runs the ring all-reduce plans of 2, 3 and 4 ranks on the one
+//!   GPU (one stream per rank, FIFOs in device memory, both protocols) and every rank's
+//!   result equals the host engine's, bit for bit.
+
+// Only `nvrtc_from_pypi` of the shared helpers is used here.
+#[allow(unused_imports)]
+mod common;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use ferroccl::comm::{CommConfig, Communicator};
+use ferroccl::cuda::{self, nvrtc, work};
+use ferroccl::plan::{Algorithm, Collective};
+use ferroccl::reduce::Kernel;
+use ferroccl::transport::Protocol;
+use ferroccl::{DataType, ReduceOp, Scalar};
+
+/// The first GPU and its architecture, or `None` after saying why there is none.
+fn gpu() -> Option<(Arc<CudaContext>, (u32, u32))> {
+    if cuda::device_count() == 0 {
+        let why = cuda::driver()
+            .err()
+            .map_or("the driver sees no device".into(), |e| e.to_string());
+        eprintln!("\n*** SKIPPED (no GPU here): no CUDA device ({why}) ***\n");
+        return None;
+    }
+    common::nvrtc_from_pypi();
+    let arch = cuda::compute_capability(0).expect("compute capability");
+    Some((CudaContext::new(0).expect("CUDA context on device 0"), arch))
+}
+
+fn module(
+    ctx: &Arc<CudaContext>,
+    source: &nvrtc::KernelSource,
+    arch: (u32, u32),
+) -> Arc<cudarc::driver::CudaModule> {
+    let cubin = nvrtc::cubin(source, arch).unwrap_or_else(|e| panic!("{e}"));
+    ctx.load_module(Ptx::from_binary(cubin.image.clone()))
+        .expect("load the cubin")
+}
+
+fn bytes_of(dtype: DataType, n: usize, salt: u64) -> Vec<u8> {
+    let mut out = vec![0u8; n * dtype.size()];
+    for (i, e) in out.chunks_mut(dtype.size()).enumerate() {
+        let v = ((i as u64 * 7 + salt) % 11) as f64 - 5.0;
+        ferroccl::with_element_type!(dtype, T => {
+            let x = <T as ferroccl::Element>::from_f64(v);
+            // SAFETY: T is a plain value of dtype.size() bytes.
+            e.copy_from_slice(unsafe { std::slice::from_raw_parts(std::ptr::from_ref(&x).cast::<u8>(), size_of::<T>()) });
+        });
+    }
+    out
+}
+
+#[test]
+fn gpu_element_wise_kernels_equal_the_host_kernels() {
+    let Some((ctx, arch)) = gpu() else { return };
+    let stream = ctx.default_stream();
+    let m = module(&ctx, &nvrtc::REDUCE, arch);
+    let f = m.load_function("ferroccl_reduce").unwrap();
+    let n = 4099usize;
+    for dtype in DataType::ALL {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Prod,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Avg,
+            ReduceOp::PreMulSum(Scalar::Int(-3)),
+        ] {
+            let k = Kernel::new(dtype, op, 4).unwrap();
+            let (a, b) = (bytes_of(dtype, n, 1), bytes_of(dtype, n, 2));
+            let mut want = vec![0u8; a.len()];
+            // SAFETY: three buffers of n elements.
+            unsafe { k.reduce(want.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n) };
+            let (da, db) = (
+                stream.clone_htod(&a).unwrap(),
+                stream.clone_htod(&b).unwrap(),
+            );
+            let mut dd = stream.alloc_zeros::<u8>(a.len()).unwrap();
+            let (nn, dt, redop, scalar) = (n as u64, dtype as u32, k.device_op(), k.scalar_bits());
+            let mut launch = stream.launch_builder(&f);
+            launch
+                .arg(&mut dd)
+                .arg(&da)
+                .arg(&db)
+                .arg(&nn)
+                .arg(&dt)
+                .arg(&redop)
+                .arg(&scalar);
+            // SAFETY: the arguments match `ferroccl_reduce`'s signature and sizes.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (8, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .unwrap();
+            let got = stream.clone_dtoh(&dd).unwrap();
+            assert!(
+                got == want,
+                "{dtype} {op}: the GPU's reduction differs from the host's"
+            );
+        }
+    }
+}
+
+/// Runs each rank's all-reduce plan on its own stream of the one GPU.
+fn executor_all_reduce(ctx: &Arc<CudaContext>, arch: (u32, u32), n: usize, protocol: Protocol) {
+    let config = CommConfig {
+        channels: 2,
+        slot_bytes: 4096,
+        chunk_bytes: 1024,
+        algorithms: vec![Algorithm::Ring],
+        protocols: vec![Protocol::Simple],
+        ..CommConfig::default()
+    };
+    let comms = Communicator::init_all_with(n, config).unwrap();
+    let count = 100_003usize;
+    let dtype = DataType::Float32;
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| {
+            (0..count)
+                .map(|i| ((i * 3 + r) % 17) as f32 - 8.0)
+                .collect()
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&inputs)
+            .map(|(c, x)| {
+                s.spawn(move || {
+                    let mut out = vec![0f32; count];
+                    c.all_reduce(x, &mut out, ReduceOp::Avg).unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let m = module(ctx, &nvrtc::EXECUTOR, arch);
+    let f = m.load_function("ferroccl_execute").unwrap();
+    let (slots, slot_bytes) = (
+        8u32,
+        if protocol == Protocol::LL {
+            1024u32
+        } else {
+            256
+        },
+    );
+    let streams: Vec<Arc<CudaStream>> = (0..n).map(|_| ctx.new_stream().unwrap()).collect();
+    let s0 = &streams[0];
+    // One FIFO per (channel, sender, receiver): counters, sizes, slots; zeroed.
+    let mut fifo_mem = std::collections::HashMap::new();
+    let mut keep = Vec::new();
+    let mut works = Vec::new();
+    for (r, comm) in comms.iter().enumerate() {
+        let plan = comm.plan_for(Collective::AllReduce, count, dtype).unwrap();
+        let laid = work::lay_out(&plan, &[protocol]).unwrap();
+        let mut ends = Vec::new();
+        for e in &laid.fifos {
+            let key = if e.sends {
+                (e.channel, r, e.peer)
+            } else {
+                (e.channel, e.peer, r)
+            };
+            let mem = fifo_mem.entry(key).or_insert_with(|| {
+                s0.alloc_zeros::<u8>(256 + (slots * slot_bytes) as usize)
+                    .unwrap()
+            });
+            let base = mem.device_ptr(s0).0;
+            let stage = s0.alloc_zeros::<u8>(slot_bytes as usize).unwrap();
+            ends.push(work::FcclFifo {
+                head: base as *mut u64,
+                tail: (base + 64) as *mut u64,
+                sizes: (base + 128) as *mut u32,
+                data: (base + 256) as *mut u8,
+                stage: stage.device_ptr(s0).0 as *mut u8,
+                slots,
+                slot_bytes,
+                protocol: u32::from(protocol == Protocol::LL),
+                pad: 0,
+            });
+            keep.push(stage);
+        }
+        let input = s0.clone_htod(&inputs[r]).unwrap();
+        let output = s0.alloc_zeros::<f32>(count).unwrap();
+        let kernel = Kernel::new(dtype, ReduceOp::Avg, n).unwrap();
+        let op = work::FcclOp::new(
+            &kernel,
+            true,
+            input.device_ptr(s0).0 as *const _,
+            output.device_ptr(s0).0 as *mut _,
+            std::ptr::null_mut(),
+        );
+        let lanes = s0.clone_htod(&laid.lanes).unwrap();
+        let steps = s0.clone_htod(&laid.steps).unwrap();
+        let fifos = s0.clone_htod(&ends).unwrap();
+        let ops = s0.clone_htod(&[op]).unwrap();
+        let status = s0.alloc_zeros::<u32>(laid.lanes.len()).unwrap();
+        let abort = s0.alloc_zeros::<u32>(1).unwrap();
+        let w = work::FcclWork {
+            lanes: lanes.device_ptr(s0).0 as *const _,
+            steps: steps.device_ptr(s0).0 as *const _,
+            fifos: fifos.device_ptr(s0).0 as *const _,
+            ops: ops.device_ptr(s0).0 as *const _,
+            status: status.device_ptr(s0).0 as *mut _,
+            abort: abort.device_ptr(s0).0 as *const _,
+            nlanes: laid.lanes.len() as u32,
+            pad: 0,
+        };
+        works.push((w, input, output, status, (lanes, steps, fifos, ops, abort)));
+    }
+    s0.synchronize().unwrap();
+    for ((w, ..), stream) in works.iter().zip(&streams) {
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(w);
+        let cfg = LaunchConfig {
+            grid_dim: (w.nlanes, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the work's arrays and buffers are device memory that lives until the
+        // streams are synchronised below.
+        unsafe { launch.launch(cfg) }.unwrap();
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    for (r, (_, _, output, status, _)) in works.iter().enumerate() {
+        let st = s0.clone_dtoh(status).unwrap();
+        assert!(st.iter().all(|&s| s == 0), "rank {r}: lane status {st:?}");
+        let got = s0.clone_dtoh(output).unwrap();
+        assert!(
+            got.iter()
+                .map(|x| x.to_bits())
+                .eq(want[r].iter().map(|x| x.to_bits())),
+            "{n} ranks, {protocol:?}: rank {r} differs from the host engine"
+        );
+    }
+}
+
+#[test]
+fn gpu_executor_all_reduce_of_2_to_4_ranks_on_one_gpu_equals_the_host_engine() {
+    let Some((ctx, arch)) = gpu() else { return };
+    for n in 2..=4 {
+        for protocol in Protocol::ALL {
+            executor_all_reduce(&ctx, arch, n, protocol);
+        }
+    }
+}
