@@ -9,7 +9,7 @@
 //!   GPU (one stream per rank, FIFOs in device memory, both protocols) and every rank's
 //!   result equals the host engine's, bit for bit.
 
-// Only `nvrtc_from_pypi` of the shared helpers is used here.
+// `nvrtc_from_pypi` and `ops` of the shared helpers are used here.
 #[allow(unused_imports)]
 mod common;
 
@@ -22,7 +22,7 @@ use ferroccl::cuda::{self, nvrtc, work};
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::Kernel;
 use ferroccl::transport::Protocol;
-use ferroccl::{DataType, ReduceOp, Scalar};
+use ferroccl::{DataType, ReduceOp};
 
 /// The first GPU and its architecture, or `None` after saying why there is none.
 fn gpu() -> Option<(Arc<CudaContext>, (u32, u32))> {
@@ -69,14 +69,7 @@ fn gpu_element_wise_kernels_equal_the_host_kernels() {
     let f = m.load_function("ferroccl_reduce").unwrap();
     let n = 4099usize;
     for dtype in DataType::ALL {
-        for op in [
-            ReduceOp::Sum,
-            ReduceOp::Prod,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Avg,
-            ReduceOp::PreMulSum(Scalar::Int(-3)),
-        ] {
+        for op in common::ops() {
             let k = Kernel::new(dtype, op, 4).unwrap();
             let (a, b) = (bytes_of(dtype, n, 1), bytes_of(dtype, n, 2));
             let mut want = vec![0u8; a.len()];
@@ -259,4 +252,137 @@ fn gpu_executor_all_reduce_of_2_to_4_ranks_on_one_gpu_equals_the_host_engine() {
             executor_all_reduce(&ctx, arch, n, protocol);
         }
     }
+}
+
+/// Runs `collective` on device memory through `Communicator::enqueue_device`, one thread
+/// and stream per rank on the one GPU, and checks every rank against the host engine.
+/// With `blocked`, each stream is first held by a wait on a host flag: the call must
+/// return while its stream cannot have run it (NCCL's stream semantics), and the result
+/// appears once the flag is released.
+fn device_collective(
+    ctx: &Arc<CudaContext>,
+    n: usize,
+    collective: Collective,
+    protocol: Protocol,
+    blocked: bool,
+) {
+    let config = CommConfig {
+        channels: 2,
+        protocols: vec![protocol],
+        ..CommConfig::default()
+    };
+    let host_comms = Communicator::init_all_with(n, config.clone()).unwrap();
+    let device_comms = Communicator::init_all_with(n, config).unwrap();
+    let count = 65_537usize;
+    let dtype = DataType::Int32;
+    let input = |r: usize, len: usize| -> Vec<i32> {
+        (0..len).map(|i| (i * 31 + r * 7) as i32 - 1000).collect()
+    };
+    let run_host = |c: &Communicator| {
+        let (in_len, out_len) = collective.buffer_lens(count, c.rank(), n);
+        let x = input(c.rank(), in_len);
+        let mut out = vec![0i32; out_len];
+        // SAFETY: buffers of the lengths the call uses.
+        unsafe {
+            c.collective_raw(
+                collective,
+                count,
+                dtype,
+                ReduceOp::Sum,
+                x.as_ptr() as *const u8,
+                out.as_mut_ptr() as *mut u8,
+            )
+        }
+        .unwrap();
+        out
+    };
+    let want: Vec<Vec<i32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = host_comms
+            .iter()
+            .map(|c| s.spawn(move || run_host(c)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let got: Vec<Vec<i32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = device_comms
+            .iter()
+            .map(|c| {
+                let ctx = ctx.clone();
+                s.spawn(move || {
+                    ctx.bind_to_thread().unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let (in_len, out_len) = collective.buffer_lens(count, c.rank(), n);
+                    let x = stream.clone_htod(&input(c.rank(), in_len.max(1))).unwrap();
+                    let out = stream.alloc_zeros::<i32>(out_len.max(1)).unwrap();
+                    let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
+                    if blocked {
+                        // SAFETY: a mapped host word; the stream waits until it is 1.
+                        let rc = unsafe {
+                            cudarc::driver::sys::cuStreamWaitValue32_v2(
+                                stream.cu_stream(),
+                                flag.device(),
+                                1,
+                                0,
+                            )
+                        };
+                        assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+                    }
+                    let call = ferroccl::comm::RawCall {
+                        collective,
+                        count,
+                        dtype,
+                        op: ReduceOp::Sum,
+                        input: x.device_ptr(&stream).0 as *const u8,
+                        output: out.device_ptr(&stream).0 as *mut u8,
+                    };
+                    // SAFETY: device buffers of the lengths the call uses, kept until
+                    // the stream is synchronised below.
+                    unsafe {
+                        c.enqueue_device(&[call], stream.cu_stream() as *mut std::ffi::c_void)
+                    }
+                    .unwrap();
+                    if blocked {
+                        // The call returned with its stream held: nothing of it ran.
+                        let rc = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+                        assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY);
+                        // SAFETY: the mapped word the stream waits on.
+                        unsafe { std::ptr::write_volatile(flag.host() as *mut u32, 1) };
+                    }
+                    stream.synchronize().unwrap();
+                    c.synchronize_device().unwrap();
+                    let mut v = stream.clone_dtoh(&out).unwrap();
+                    v.truncate(out_len);
+                    v
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in 0..n {
+        assert!(
+            got[r] == want[r],
+            "{collective} on {n} ranks, {protocol:?}: rank {r} differs from the host engine"
+        );
+    }
+}
+
+#[test]
+fn gpu_communicator_collectives_on_device_memory_equal_the_host_engine() {
+    let Some((ctx, _)) = gpu() else { return };
+    for n in 2..=4 {
+        for collective in Collective::every(n)
+            .into_iter()
+            .filter(|c| c.root().is_none_or(|r| r == n - 1))
+        {
+            for protocol in Protocol::ALL {
+                device_collective(&ctx, n, collective, protocol, false);
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_a_call_returns_before_its_stream_runs_it() {
+    let Some((ctx, _)) = gpu() else { return };
+    device_collective(&ctx, 2, Collective::AllReduce, Protocol::Simple, true);
 }

@@ -9,7 +9,7 @@
 //!   executor, with N simulated GPUs sharing FIFOs, against the host engine, bit for bit
 //!   over the collective grid.
 
-// Only `nvrtc_from_pypi` of the shared helpers is used here.
+// `nvrtc_from_pypi` and `ops` of the shared helpers are used here.
 #[allow(unused_imports)]
 mod common;
 
@@ -19,12 +19,13 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use ferroccl::comm::{CommConfig, Communicator};
+use ferroccl::cuda::launch;
 use ferroccl::cuda::nvrtc;
 use ferroccl::cuda::work::{self, FcclFifo, FcclOp, FcclWork, FifoEnd};
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::Kernel;
 use ferroccl::transport::Protocol;
-use ferroccl::{DataType, Element, ReduceOp, Scalar};
+use ferroccl::{DataType, Element, ReduceOp};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -189,17 +190,6 @@ fn element(dtype: DataType, seed: u64, out: &mut [u8]) {
     });
 }
 
-fn ops() -> [ReduceOp; 6] {
-    [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Max,
-        ReduceOp::Min,
-        ReduceOp::Avg,
-        ReduceOp::PreMulSum(Scalar::Int(-3)),
-    ]
-}
-
 #[test]
 fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
     let reduce: ReduceFn = symbol("ferroccl_host_reduce");
@@ -208,7 +198,7 @@ fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
     let mut cases = 0;
     for dtype in DataType::ALL {
         let e = dtype.size();
-        for op in ops() {
+        for op in common::ops() {
             for nranks in [1usize, 3, 200] {
                 let k = Kernel::new(dtype, op, nranks).unwrap();
                 for n in [0usize, 1, 7, 16, 33, 1000] {
@@ -497,25 +487,24 @@ fn check(comms: &[Communicator], case: Case) -> usize {
             });
         }
         let status = vec![u32::MAX; laid.lanes.len()];
-        per_rank.push((laid, ops, ends, stages, scratch, status));
+        // Packed into one block, as the launcher copies it to a GPU.
+        let packed = launch::pack(&laid, &ends, &ops);
+        let mut block = Aligned::new(packed.bytes.len());
+        block.bytes_mut()[..packed.bytes.len()].copy_from_slice(&packed.bytes);
+        per_rank.push((laid, (packed, block), ends, stages, scratch, status));
     }
     let execute: ExecuteFn = symbol("ferroccl_host_execute");
     let abort = std::sync::atomic::AtomicU32::new(0);
     let finished = std::sync::atomic::AtomicUsize::new(0);
     let mut lanes = 0;
     std::thread::scope(|s| {
-        for (laid, ops, ends, _, _, status) in per_rank.iter_mut() {
+        for (laid, (packed, block), _, _, _, status) in per_rank.iter_mut() {
             lanes += laid.lanes.len();
-            let w = Shared(FcclWork {
-                lanes: laid.lanes.as_ptr(),
-                steps: laid.steps.as_ptr(),
-                fifos: ends.as_ptr(),
-                ops: ops.as_ptr(),
-                status: status.as_mut_ptr(),
-                abort: abort.as_ptr() as *const u32,
-                nlanes: laid.lanes.len() as u32,
-                pad: 0,
-            });
+            let w = Shared(packed.work(
+                block.ptr() as u64,
+                status.as_mut_ptr() as u64,
+                abort.as_ptr() as u64,
+            ));
             let finished = &finished;
             s.spawn(move || {
                 let w = w;
@@ -579,7 +568,7 @@ fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
                         collective,
                         count: COUNTS[pick(20, COUNTS.len())],
                         dtype: DataType::ALL[pick(0, 12)],
-                        op: ops()[pick(8, 6)],
+                        op: common::ops()[pick(8, 6)],
                         in_place: pick(16, 2) == 1,
                         protocol: Protocol::ALL[pick(17, 2)],
                     };
@@ -595,7 +584,7 @@ fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
                 // Every dtype × op on the all-reduce, both protocols, in and out of place.
                 if n == 3 || (n == 4 && channels == 2) {
                     for (i, dtype) in DataType::ALL.into_iter().enumerate() {
-                        for (j, op) in ops().into_iter().enumerate() {
+                        for (j, op) in common::ops().into_iter().enumerate() {
                             for protocol in Protocol::ALL {
                                 let case = Case {
                                     collective: Collective::AllReduce,

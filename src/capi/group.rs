@@ -1,4 +1,4 @@
-//! `ncclGroupStart` / `ncclGroupEnd` on host memory.
+//! `ncclGroupStart` / `ncclGroupEnd`.
 //!
 //! Each thread has its own group state (as in NCCL). Inside a group, inits and calls are
 //! queued; when the outermost group ends, the queued inits run (all at once, so one
@@ -7,7 +7,9 @@
 //! other). Calls on several communicators (one thread driving several ranks) run in
 //! parallel threads, one per communicator, and the group ends when all have finished.
 //! A call that fails its checks inside a group fails the whole group: `ncclGroupEnd`
-//! runs nothing and returns that error.
+//! runs nothing and returns that error. Calls on device memory of one communicator are
+//! enqueued as one launch on their stream (they must name the same stream, and a group
+//! may not mix them with host-memory calls of the same communicator).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -25,7 +27,7 @@ pub type Init = Box<dyn FnOnce() -> crate::Result<Communicator> + Send>;
 struct GroupState {
     depth: usize,
     inits: Vec<(Arc<CommHandle>, Init)>,
-    calls: Vec<(Arc<CommHandle>, RawCall)>,
+    calls: Vec<(Arc<CommHandle>, RawCall, Option<Stream>)>,
     failed: Option<Failure>,
 }
 
@@ -48,14 +50,18 @@ pub fn queue_init(handle: Arc<CommHandle>, init: Init) {
     GROUP.with(|g| g.borrow_mut().inits.push((handle, init)));
 }
 
-/// Queues a call if this thread is inside a group; returns whether it did.
-pub fn queue_call(handle: &Arc<CommHandle>, call: RawCall) -> bool {
+/// A CUDA stream handle, as an address (device calls carry theirs).
+pub type Stream = usize;
+
+/// Queues a call if this thread is inside a group; returns whether it did. `stream`:
+/// `Some` for a call on device memory.
+pub fn queue_call(handle: &Arc<CommHandle>, call: RawCall, stream: Option<Stream>) -> bool {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return false;
         }
-        g.calls.push((handle.clone(), call));
+        g.calls.push((handle.clone(), call, stream));
         true
     })
 }
@@ -70,8 +76,9 @@ pub fn fail(failure: &Failure) {
     });
 }
 
-/// Calls of one communicator, moved to the thread that runs them.
-struct CommCalls(Arc<CommHandle>, Vec<RawCall>);
+/// Calls of one communicator (with their streams, for device calls), moved to the
+/// thread that runs them.
+struct CommCalls(Arc<CommHandle>, Vec<RawCall>, Vec<Option<Stream>>);
 
 // SAFETY: the raw buffers in the calls belong to the application, which keeps them valid
 // until ncclGroupEnd returns; `end` joins every thread before returning.
@@ -80,9 +87,23 @@ unsafe impl Send for CommCalls {}
 impl CommCalls {
     fn run(self) -> Result<(), Failure> {
         let comm = self.0.communicator()?;
-        // SAFETY: the application's buffers, valid until ncclGroupEnd returns (NCCL's
-        // contract for grouped calls); they were checked when queued.
-        unsafe { comm.group_raw(&self.1) }.map_err(|e| Failure::from_error(&e))
+        let streams: Vec<Stream> = self.2.iter().flatten().copied().collect();
+        if streams.is_empty() {
+            // SAFETY: the application's buffers, valid until ncclGroupEnd returns (NCCL's
+            // contract for grouped calls); they were checked when queued.
+            return unsafe { comm.group_raw(&self.1) }.map_err(|e| Failure::from_error(&e));
+        }
+        if streams.len() != self.1.len() || streams.iter().any(|&s| s != streams[0]) {
+            return Err(Failure::new(
+                super::INVALID_USAGE,
+                "a group's calls on one communicator run as one launch: they must all be \
+                 on device memory and name the same stream",
+            ));
+        }
+        // SAFETY: the application's device buffers, valid until the stream passes the
+        // group (NCCL's contract); the stream is the application's.
+        unsafe { comm.enqueue_device(&self.1, streams[0] as *mut std::ffi::c_void) }
+            .map_err(|e| Failure::from_error(&e))
     }
 }
 
@@ -146,16 +167,14 @@ pub fn end() -> Result<c_int, Failure> {
     // Calls, in order per communicator.
     let mut order: Vec<*const CommHandle> = Vec::new();
     let mut by_comm: HashMap<*const CommHandle, CommCalls> = HashMap::new();
-    for (handle, call) in state.calls {
+    for (handle, call, stream) in state.calls {
         let key = Arc::as_ptr(&handle);
-        by_comm
-            .entry(key)
-            .or_insert_with(|| {
-                order.push(key);
-                CommCalls(handle, Vec::new())
-            })
-            .1
-            .push(call);
+        let calls = by_comm.entry(key).or_insert_with(|| {
+            order.push(key);
+            CommCalls(handle, Vec::new(), Vec::new())
+        });
+        calls.1.push(call);
+        calls.2.push(stream);
     }
     let mut jobs: Vec<CommCalls> = order.iter().filter_map(|k| by_comm.remove(k)).collect();
     let results: Vec<Result<(), Failure>> = if jobs.len() == 1 {

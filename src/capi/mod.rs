@@ -238,26 +238,16 @@ unsafe fn collective(
     if out_len > 0 && recvbuff.is_null() {
         return Err(invalid(format!("recvbuff is NULL for {count} elements")));
     }
-    for (name, ptr) in [
-        ("sendbuff", sendbuff),
-        ("recvbuff", recvbuff as *const c_void),
-    ] {
-        if cuda::pointer_kind(ptr) == PointerKind::Device {
-            return Err(Failure::new(
-                INVALID_USAGE,
-                format!(
-                    "{name} {ptr:?} is CUDA device memory: the C ABI runs collectives on \
-                     host memory only; ferroccl's device executor is not yet launched from \
-                     it (see the README, \"GPUs\")"
-                ),
-            ));
-        }
-    }
+    // Device memory (either buffer): enqueued on the stream. Host memory: run now, in
+    // the stream's order.
+    let on_device = [sendbuff, recvbuff as *const c_void]
+        .iter()
+        .any(|&p| cuda::pointer_kind(p) == PointerKind::Device);
     let op = match op {
         Some(op) => handle.reduce_op(op, dtype)?,
         None => ReduceOp::Sum,
     };
-    if !stream.is_null() {
+    if !stream.is_null() && !on_device {
         // SAFETY: the caller's stream handle, as NCCL takes it.
         unsafe { cuda::synchronize(stream) }.map_err(|e| Failure::from_error(&e))?;
     }
@@ -269,10 +259,16 @@ unsafe fn collective(
         input: sendbuff as *const u8,
         output: recvbuff as *mut u8,
     };
-    if group::queue_call(&handle, call) {
+    if group::queue_call(&handle, call, on_device.then_some(stream as usize)) {
         return Ok(SUCCESS);
     }
     let comm = handle.communicator()?;
+    if on_device {
+        // SAFETY: the caller's device buffers, valid until the stream passes the call
+        // (NCCL's contract), and the caller's stream.
+        unsafe { comm.enqueue_device(&[call], stream) }.map_err(|e| Failure::from_error(&e))?;
+        return Ok(SUCCESS);
+    }
     // SAFETY: the buffers are the caller's, valid for the call as NCCL defines it.
     unsafe { comm.collective_raw(collective, count, dtype, op, call.input, call.output) }
         .map_err(|e| Failure::from_error(&e))?;

@@ -65,6 +65,8 @@ struct State {
     /// The plan of the last single-operation call: loops that repeat one call
     /// (training steps, benchmarks) plan once.
     last_plan: Option<CachedPlan>,
+    /// The device side, made by the first call on device memory.
+    device: Option<crate::cuda::launch::Launcher>,
 }
 
 /// A single-operation plan with what it was made from and what it needs.
@@ -248,6 +250,7 @@ impl Communicator {
                 conns,
                 seq: 0,
                 last_plan: None,
+                device: None,
             }),
             splits: AtomicU64::new(0),
             turns: Turns::default(),
@@ -324,7 +327,11 @@ impl Communicator {
         // fails now rather than at its deadline.
         self.abort_bell.close(why);
         self.set_failure(reason);
-        self.lock().conns.close(why);
+        let mut st = self.lock();
+        if let Some(device) = &st.device {
+            device.abort();
+        }
+        st.conns.close(why);
     }
 
     /// Destroys the communicator (`ncclCommDestroy`): waits for its asynchronous calls to
@@ -682,6 +689,108 @@ impl Communicator {
         }
         // SAFETY: forwarded from this function's contract.
         unsafe { self.run(calls) }
+    }
+
+    /// Enqueues operations on device memory on `stream` and returns at once, as NCCL
+    /// does (see [`crate::cuda::launch`]): the operations are complete when the stream
+    /// reaches them. Several operations run as one fused plan and one launch, as a group.
+    /// Failures of earlier device calls are reported here (or by
+    /// [`synchronize_device`](Self::synchronize_device)).
+    ///
+    /// # Safety
+    /// As [`Communicator::collective_raw`], with device buffers that stay valid and
+    /// untouched until the stream has passed the call; `stream` is a CUDA stream of the
+    /// current context (or NULL).
+    pub unsafe fn enqueue_device(
+        &self,
+        calls: &[RawCall],
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        for call in calls {
+            self.check_root_or_peer(call.collective)?;
+        }
+        if calls.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from this function's contract.
+        self.turns
+            .run_blocking(|| unsafe { self.enqueue_in_turn(calls, stream) })
+    }
+
+    /// [`Communicator::enqueue_device`], once it is this call's turn.
+    ///
+    /// # Safety
+    /// As [`Communicator::enqueue_device`].
+    unsafe fn enqueue_in_turn(
+        &self,
+        raws: &[RawCall],
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        if let Some(why) = self.failure() {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                reason: why,
+            });
+        }
+        let mut plans = Vec::with_capacity(raws.len());
+        let mut ops = Vec::with_capacity(raws.len());
+        for raw in raws {
+            let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
+            plans.push(self.plan_with(raw, choice)?);
+            let reducing = raw.collective.is_reducing();
+            let op = if reducing { raw.op } else { ReduceOp::Sum };
+            ops.push(crate::cuda::launch::DeviceOp {
+                kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+                reducing,
+                input: raw.input as u64,
+                output: raw.output as u64,
+                protocol: choice.protocol,
+            });
+        }
+        let plan = if plans.len() == 1 {
+            plans.pop().expect("one plan")
+        } else {
+            Plan::fuse(plans)?
+        };
+        if st.device.is_none() {
+            let ll = crate::transport::fifo::Geometry::ll(
+                self.config.ll_slots,
+                self.config.ll_payload_bytes,
+            );
+            st.device = Some(crate::cuda::launch::Launcher::new(
+                self.rank,
+                self.config.geometry(),
+                ll,
+            )?);
+        }
+        let seq = st.seq;
+        st.seq += 1;
+        let name = match raws {
+            [raw] => raw.collective.name(),
+            _ => "group",
+        };
+        let store = self.boot.store().clone();
+        let device = st.device.as_mut().expect("made above");
+        // SAFETY: forwarded from this function's contract.
+        let result =
+            unsafe { device.enqueue(&plan, &ops, stream, &*store, self.config.timeout, name, seq) };
+        if let Err(e) = &result {
+            self.set_failure(e.to_string());
+        }
+        result
+    }
+
+    /// Waits until every call on device memory issued so far has finished (at most the
+    /// communicator's timeout, after which the device is told to stop waiting and the
+    /// call fails with a timeout); the first failure among them is the error.
+    pub fn synchronize_device(&self) -> Result<()> {
+        let deadline = Instant::now() + self.config.timeout;
+        let mut st = self.lock();
+        match st.device.as_mut() {
+            Some(d) => d.wait_all(deadline),
+            None => Ok(()),
+        }
     }
 
     fn typed<T: Element>(

@@ -17,6 +17,7 @@
 //! NVRTC and their logic runs here as host C++ (`tests/kernels.rs`); nothing in this
 //! module has yet run against a GPU.
 
+pub mod launch;
 pub mod nvrtc;
 pub mod work;
 
@@ -206,6 +207,395 @@ pub unsafe fn synchronize(stream: *mut c_void) -> Result<()> {
         check(
             sys::cuStreamSynchronize(stream as sys::CUstream),
             "cuStreamSynchronize",
+        )
+    }
+}
+
+// ----- what a launch needs (checked on first use, apart from the basic symbols) -----
+
+/// Driver symbols the device path calls (memory, IPC, modules, launches, events).
+const RUNTIME_SYMBOLS: &[&str] = &[
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxGetDevice",
+    "cuDevicePrimaryCtxRetain",
+    "cuDeviceGet",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemsetD8_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+];
+
+/// The driver, with every symbol the device path calls, and a context current on this
+/// thread (the caller's, as with NCCL, or device 0's primary context when none is).
+/// Returns the device of that context.
+pub fn runtime() -> Result<usize> {
+    static CHECKED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    driver()?;
+    CHECKED
+        .get_or_init(|| {
+            // SAFETY: the library is loaded (driver() succeeded); lookups only.
+            let lib = unsafe { sys::culib() };
+            for name in RUNTIME_SYMBOLS {
+                // SAFETY: a lookup by name; the pointer is not called.
+                if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
+                    return Err(format!(
+                        "the CUDA driver (libcuda.so.1) has no {name}: it is too old for \
+                         ferroccl's device path"
+                    ));
+                }
+            }
+            Ok(())
+        })
+        .clone()
+        .map_err(|what| Error::Cuda { what })?;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: every symbol is present (checked above); the calls write one handle or int.
+    unsafe {
+        check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
+        if ctx.is_null() {
+            let mut dev: sys::CUdevice = 0;
+            check(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet(0)")?;
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+        }
+        let mut dev: sys::CUdevice = 0;
+        check(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice")?;
+        Ok(dev as usize)
+    }
+}
+
+/// Device memory from `cuMemAlloc`, zeroed, freed on drop. Such memory can be exported
+/// to other processes with CUDA IPC.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    /// `bytes` of zeroed device memory on the current context's device.
+    pub fn zeroed(bytes: usize) -> Result<Self> {
+        runtime()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the runtime symbols are present and a context is current.
+        unsafe {
+            check(sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)), "cuMemAlloc")?;
+            let b = DeviceBuffer { ptr, bytes };
+            check(sys::cuMemsetD8_v2(ptr, 0, bytes.max(1)), "cuMemsetD8")?;
+            Ok(b)
+        }
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The CUDA IPC handle that lets another process map this memory.
+    pub fn ipc_handle(&self) -> Result<[u8; 64]> {
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: a live allocation from cuMemAlloc; the call writes the handle.
+        unsafe {
+            check(
+                sys::cuIpcGetMemHandle(&mut handle, self.ptr),
+                "cuIpcGetMemHandle",
+            )?
+        };
+        Ok(handle.reserved.map(|b| b as u8))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc and freed once. Errors (a context already
+        // destroyed at exit) leave nothing to do.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Another process's device memory, mapped from its IPC handle; unmapped on drop.
+#[derive(Debug)]
+pub struct ImportedBuffer {
+    ptr: u64,
+}
+
+impl ImportedBuffer {
+    /// Maps the memory of `handle` (with peer access enabled lazily when it lives on
+    /// another GPU).
+    pub fn open(handle: &[u8; 64]) -> Result<Self> {
+        runtime()?;
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the runtime symbols are present and a context is current; the call
+        // writes one device address.
+        unsafe {
+            check(
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint,
+                ),
+                "cuIpcOpenMemHandle",
+            )?;
+        }
+        Ok(ImportedBuffer { ptr })
+    }
+
+    /// The device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for ImportedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: mapped by cuIpcOpenMemHandle and unmapped once.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space (the abort word and
+/// lane statuses: the host writes or reads it while a kernel runs), zeroed.
+#[derive(Debug)]
+pub struct MappedHostBuffer {
+    host: *mut u8,
+    device: u64,
+    bytes: usize,
+}
+
+// SAFETY: the buffer is plain memory; who reads and writes it when is the user's
+// (ferroccl's launcher's) business, through volatile or atomic accesses.
+unsafe impl Send for MappedHostBuffer {}
+
+impl MappedHostBuffer {
+    /// `bytes` of zeroed page-locked host memory, mapped for the device.
+    pub fn zeroed(bytes: usize) -> Result<Self> {
+        runtime()?;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: the runtime symbols are present and a context is current.
+        unsafe {
+            check(
+                sys::cuMemHostAlloc(&mut host, bytes.max(1), sys::CU_MEMHOSTALLOC_DEVICEMAP),
+                "cuMemHostAlloc",
+            )?;
+            std::ptr::write_bytes(host as *mut u8, 0, bytes.max(1));
+            let b = MappedHostBuffer {
+                host: host as *mut u8,
+                device: 0,
+                bytes,
+            };
+            check(
+                sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
+                "cuMemHostGetDevicePointer",
+            )?;
+            Ok(MappedHostBuffer { device, ..b })
+        }
+    }
+
+    /// The host address.
+    pub fn host(&self) -> *mut u8 {
+        self.host
+    }
+
+    /// The device address of the same memory.
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for MappedHostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc and freed once.
+        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
+/// A CUDA event (no timing), destroyed on drop.
+#[derive(Debug)]
+pub struct Event(sys::CUevent);
+
+// SAFETY: CUDA events may be used from any thread of the process.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// A new event recorded on `stream` now.
+    ///
+    /// # Safety
+    /// `stream` is a CUDA stream of the current context (or NULL).
+    pub unsafe fn record(stream: *mut c_void) -> Result<Self> {
+        runtime()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: the runtime symbols are present; `stream` is the caller's.
+        unsafe {
+            check(
+                sys::cuEventCreate(
+                    &mut e,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint,
+                ),
+                "cuEventCreate",
+            )?;
+            let event = Event(e);
+            check(
+                sys::cuEventRecord(e, stream as sys::CUstream),
+                "cuEventRecord",
+            )?;
+            Ok(event)
+        }
+    }
+
+    /// Whether the work before the event has finished.
+    pub fn done(&self) -> Result<bool> {
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            // SAFETY: the driver is loaded.
+            rc => unsafe { check(rc, "cuEventQuery") }.map(|_| false),
+        }
+    }
+
+    /// Blocks until the work before the event has finished.
+    pub fn wait(&self) -> Result<()> {
+        // SAFETY: a live event.
+        unsafe { check(sys::cuEventSynchronize(self.0), "cuEventSynchronize") }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate and destroyed once.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// A kernel of a loaded cubin.
+#[derive(Clone, Copy, Debug)]
+pub struct Function(sys::CUfunction);
+
+// SAFETY: a function handle may be launched from any thread of the process.
+unsafe impl Send for Function {}
+// SAFETY: as above; launching does not mutate the handle.
+unsafe impl Sync for Function {}
+
+impl Function {
+    /// Loads `source`, compiled for the current device's architecture, and returns its
+    /// entry point `entry`. Modules stay loaded for the life of the process (one per
+    /// source and device).
+    pub fn load(source: &nvrtc::KernelSource, entry: &str) -> Result<Self> {
+        let device = runtime()?;
+        let arch = compute_capability(device)?;
+        let cubin = nvrtc::cubin(source, arch)?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        let name = std::ffi::CString::new(entry).map_err(|_| Error::invalid("entry name"))?;
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: the runtime symbols are present; the image is a cubin for this
+        // device's architecture; the name is NUL-terminated.
+        unsafe {
+            check(
+                sys::cuModuleLoadData(&mut module, cubin.image.as_ptr() as *const c_void),
+                "cuModuleLoadData",
+            )?;
+            check(
+                sys::cuModuleGetFunction(&mut f, module, name.as_ptr()),
+                "cuModuleGetFunction",
+            )?;
+        }
+        Ok(Function(f))
+    }
+
+    /// Launches `blocks` × `threads` on `stream` with the kernel's parameters at `params`
+    /// (one pointer per parameter, as `cuLaunchKernel` takes them).
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature; everything they point to on the device
+    /// must stay valid until the launch completes; `stream` is a stream of the current
+    /// context (or NULL).
+    pub unsafe fn launch(
+        &self,
+        blocks: u32,
+        threads: u32,
+        stream: *mut c_void,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            check(
+                sys::cuLaunchKernel(
+                    self.0,
+                    blocks,
+                    1,
+                    1,
+                    threads,
+                    1,
+                    1,
+                    0,
+                    stream as sys::CUstream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+                "cuLaunchKernel",
+            )
+        }
+    }
+}
+
+/// Copies `bytes` from host memory to device memory in `stream`'s order.
+///
+/// # Safety
+/// `src` must stay valid until the copy completes on the stream (page-locked memory
+/// for an asynchronous copy); `dst` is device memory of at least `bytes`.
+pub unsafe fn copy_to_device_async(
+    dst: u64,
+    src: *const u8,
+    bytes: usize,
+    stream: *mut c_void,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        check(
+            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream as sys::CUstream),
+            "cuMemcpyHtoDAsync",
         )
     }
 }

@@ -83,6 +83,11 @@ pub struct FcclFifo {
     pub pad: u32,
 }
 
+// SAFETY: the pointers are addresses where the executor runs (device memory for a GPU);
+// the host never dereferences them through this value, so moving it between threads is
+// moving numbers.
+unsafe impl Send for FcclFifo {}
+
 /// `FcclOp`: one operation's buffers and arithmetic.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -19,6 +19,7 @@
 //! A crash leaves nothing in `/dev/shm` after that point.
 
 pub mod bell;
+pub mod cuda_ipc;
 pub mod fifo;
 pub mod liveness;
 pub mod segment;

@@ -1,0 +1,337 @@
+//! Collectives on device memory, enqueued on the caller's stream as NCCL does.
+//!
+//! A call lays its plan out for the executor ([`work::lay_out`]), connects the FIFO ends
+//! it names ([`DeviceFifos`]), packs everything the executor reads into one block
+//! ([`pack`]), copies it to the device in the stream's order from page-locked memory,
+//! launches `ferroccl_execute` (one block per lane) on the stream, records an event and
+//! returns: the call is complete when the stream reaches the event, and the caller
+//! orders its own work after it with the stream, or with events, as with NCCL. The
+//! memory of a call (its packed work, scratch, staging, statuses) is kept until its
+//! event has passed; each later call, [`Launcher::poll`] and [`Launcher::wait_all`] read
+//! the lanes' statuses of finished calls and turn a failed lane into an error.
+//!
+//! The executor's waits look at an abort word in page-locked host memory: setting it
+//! ([`Launcher::abort`]: the communicator's abort, or a deadline passing in
+//! [`Launcher::wait_all`]) returns the stream to its owner.
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use super::work::{self, FcclFifo, FcclLane, FcclOp, FcclStep, FcclWork};
+use super::{DeviceBuffer, Event, Function, MappedHostBuffer, copy_to_device_async, nvrtc};
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::reduce::Kernel;
+use crate::store::Store;
+use crate::transport::Protocol;
+use crate::transport::cuda_ipc::DeviceFifos;
+use crate::transport::fifo::Geometry;
+
+/// Threads per block of the executor.
+pub const THREADS: u32 = 256;
+
+/// One operation of a device call.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceOp {
+    /// Element type and reduction (with the communicator's rank count).
+    pub kernel: Kernel,
+    /// Whether the collective reduces.
+    pub reducing: bool,
+    /// Send buffer (device address).
+    pub input: u64,
+    /// Receive buffer (device address).
+    pub output: u64,
+    /// How its slices move.
+    pub protocol: Protocol,
+}
+
+/// Everything the executor reads for one launch, packed into one block of bytes (each
+/// array 16-byte aligned), with the offsets of its arrays.
+#[derive(Clone, Debug)]
+pub struct Packed {
+    /// The bytes, to copy to the device.
+    pub bytes: Vec<u8>,
+    lanes_at: usize,
+    steps_at: usize,
+    fifos_at: usize,
+    ops_at: usize,
+    nlanes: u32,
+}
+
+fn push_array<T: Copy>(bytes: &mut Vec<u8>, items: &[T]) -> usize {
+    let at = bytes.len().next_multiple_of(16);
+    bytes.resize(at, 0);
+    // SAFETY: `T` is one of the `#[repr(C)]` plain-data structures of `work`; its bytes
+    // are read as they are laid out.
+    let raw = unsafe {
+        std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items))
+    };
+    bytes.extend_from_slice(raw);
+    at
+}
+
+/// Packs a laid-out plan with its FIFO ends and operations.
+pub fn pack(laid: &work::LaidOut, fifos: &[FcclFifo], ops: &[FcclOp]) -> Packed {
+    let mut bytes = Vec::new();
+    let lanes_at = push_array::<FcclLane>(&mut bytes, &laid.lanes);
+    let steps_at = push_array::<FcclStep>(&mut bytes, &laid.steps);
+    let fifos_at = push_array::<FcclFifo>(&mut bytes, fifos);
+    let ops_at = push_array::<FcclOp>(&mut bytes, ops);
+    bytes.resize(bytes.len().next_multiple_of(16).max(16), 0);
+    Packed {
+        bytes,
+        lanes_at,
+        steps_at,
+        fifos_at,
+        ops_at,
+        nlanes: laid.lanes.len() as u32,
+    }
+}
+
+impl Packed {
+    /// The kernel's argument once the bytes are at address `base` (where the executor
+    /// runs), with `nlanes` status words at `status` and the abort word at `abort`.
+    pub fn work(&self, base: u64, status: u64, abort: u64) -> FcclWork {
+        FcclWork {
+            lanes: (base + self.lanes_at as u64) as *const FcclLane,
+            steps: (base + self.steps_at as u64) as *const FcclStep,
+            fifos: (base + self.fifos_at as u64) as *const FcclFifo,
+            ops: (base + self.ops_at as u64) as *const FcclOp,
+            status: status as *mut u32,
+            abort: abort as *const u32,
+            nlanes: self.nlanes,
+            pad: 0,
+        }
+    }
+
+    /// Number of lanes (thread blocks).
+    pub fn nlanes(&self) -> u32 {
+        self.nlanes
+    }
+}
+
+/// A launched call whose memory must live until its event passes.
+struct Pending {
+    op: &'static str,
+    seq: u64,
+    event: Event,
+    status: MappedHostBuffer,
+    nlanes: usize,
+    _staging: MappedHostBuffer,
+    _work: DeviceBuffer,
+    _scratch: Vec<DeviceBuffer>,
+}
+
+/// One rank's device side: the executor, its FIFOs, its calls in flight.
+pub struct Launcher {
+    rank: usize,
+    executor: Function,
+    fifos: DeviceFifos,
+    abort_word: MappedHostBuffer,
+    pending: VecDeque<Pending>,
+}
+
+impl std::fmt::Debug for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launcher")
+            .field("rank", &self.rank)
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+impl Launcher {
+    /// The device side of `rank`, on the current context's device, with FIFOs shaped as
+    /// the host's (`simple`, `ll`). Compiles (or takes from the cache) and loads the
+    /// executor.
+    pub fn new(rank: usize, simple: Geometry, ll: Geometry) -> Result<Self> {
+        Ok(Launcher {
+            rank,
+            executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
+            fifos: DeviceFifos::new(rank, simple, ll)?,
+            abort_word: MappedHostBuffer::zeroed(4)?,
+            pending: VecDeque::new(),
+        })
+    }
+
+    /// Enqueues `plan` on `stream` and returns without waiting for it.
+    ///
+    /// # Safety
+    /// Every region of the plan lies inside the device buffers `ops` name, which stay
+    /// valid and are not otherwise used until the stream has passed this call; `stream`
+    /// is a stream of the current context (or NULL).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn enqueue(
+        &mut self,
+        plan: &Plan,
+        ops: &[DeviceOp],
+        stream: *mut c_void,
+        store: &dyn Store,
+        connect_timeout: Duration,
+        op: &'static str,
+        seq: u64,
+    ) -> Result<()> {
+        self.poll()?;
+        if ops.len() != plan.ops.len() {
+            return Err(Error::invalid(format!(
+                "device call: {} operations for a plan of {}",
+                ops.len(),
+                plan.ops.len()
+            )));
+        }
+        let protocols: Vec<Protocol> = ops.iter().map(|o| o.protocol).collect();
+        let laid = work::lay_out(plan, &protocols)?;
+        if laid.lanes.is_empty() {
+            return Ok(());
+        }
+        let fifos = self.fifos.connect(&laid.fifos, store, connect_timeout)?;
+        let mut scratch = Vec::new();
+        let mut fccl_ops = Vec::with_capacity(ops.len());
+        for (i, o) in ops.iter().enumerate() {
+            let elems = plan.scratch_elems(i);
+            let s = if elems > 0 {
+                let b = DeviceBuffer::zeroed(elems * o.kernel.dtype().size())?;
+                let p = b.ptr();
+                scratch.push(b);
+                p
+            } else {
+                0
+            };
+            fccl_ops.push(FcclOp::new(
+                &o.kernel,
+                o.reducing,
+                o.input as *const c_void,
+                o.output as *mut c_void,
+                s as *mut c_void,
+            ));
+        }
+        let packed = pack(&laid, &fifos, &fccl_ops);
+        let status = MappedHostBuffer::zeroed(4 * laid.lanes.len())?;
+        // Not yet run: a lane that never reports is not mistaken for a success.
+        // SAFETY: nlanes u32 words of page-locked memory no kernel uses yet.
+        unsafe { std::ptr::write_bytes(status.host(), 0xFF, status.len()) };
+        let staging = MappedHostBuffer::zeroed(packed.bytes.len())?;
+        // SAFETY: the staging buffer holds the packed bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(packed.bytes.as_ptr(), staging.host(), packed.bytes.len())
+        };
+        let work_mem = DeviceBuffer::zeroed(packed.bytes.len())?;
+        // SAFETY: staging is page-locked and kept (in `Pending`) until the event passes;
+        // the device buffer holds the bytes; the stream is the caller's.
+        unsafe {
+            copy_to_device_async(work_mem.ptr(), staging.host(), packed.bytes.len(), stream)?
+        };
+        let mut arg = packed.work(work_mem.ptr(), status.device(), self.abort_word.device());
+        let mut params = [&mut arg as *mut FcclWork as *mut c_void];
+        // SAFETY: `ferroccl_execute(FcclWork)` takes one parameter, passed by pointer as
+        // cuLaunchKernel wants; every address inside it stays valid until the event.
+        unsafe {
+            self.executor
+                .launch(packed.nlanes(), THREADS, stream, &mut params)?
+        };
+        // SAFETY: the caller's stream.
+        let event = unsafe { Event::record(stream)? };
+        self.pending.push_back(Pending {
+            op,
+            seq,
+            event,
+            nlanes: laid.lanes.len(),
+            status,
+            _staging: staging,
+            _work: work_mem,
+            _scratch: scratch,
+        });
+        Ok(())
+    }
+
+    /// Releases the calls that have finished; the first failed lane among them is the
+    /// error.
+    pub fn poll(&mut self) -> Result<()> {
+        while let Some(p) = self.pending.front() {
+            if !p.event.done()? {
+                break;
+            }
+            let p = self.pending.pop_front().expect("checked above");
+            self.verdict(&p)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every call in flight; past `deadline` the executor is told to stop
+    /// waiting on its peers and the call fails with a timeout.
+    pub fn wait_all(&mut self, deadline: Instant) -> Result<()> {
+        while let Some(p) = self.pending.front() {
+            if !p.event.done()? {
+                if Instant::now() >= deadline {
+                    self.abort();
+                    p.event.wait()?;
+                    let p = self.pending.pop_front().expect("checked above");
+                    return Err(Error::Timeout {
+                        op: p.op.to_string(),
+                        seq: p.seq,
+                        rank: self.rank,
+                        waiting_on: Vec::new(),
+                        waited: Duration::ZERO,
+                    });
+                }
+                std::thread::sleep(Duration::from_micros(50));
+                continue;
+            }
+            let p = self.pending.pop_front().expect("checked above");
+            self.verdict(&p)?;
+        }
+        Ok(())
+    }
+
+    /// Tells every running executor of this rank to stop waiting (they report
+    /// `FCCL_STATUS_ABORTED`); later launches stop at once too.
+    pub fn abort(&self) {
+        // SAFETY: a u32 of page-locked memory the device only reads.
+        unsafe { std::ptr::write_volatile(self.abort_word.host() as *mut u32, 1) };
+    }
+
+    /// Whether calls are in flight.
+    pub fn busy(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    fn verdict(&self, p: &Pending) -> Result<()> {
+        for lane in 0..p.nlanes {
+            // SAFETY: lane < nlanes words, written by the finished kernel.
+            let s = unsafe { std::ptr::read_volatile((p.status.host() as *const u32).add(lane)) };
+            match s {
+                0 => {}
+                1 => {
+                    return Err(Error::Aborted {
+                        rank: self.rank,
+                        reason: format!("{} #{} on the device was aborted", p.op, p.seq),
+                    });
+                }
+                _ => {
+                    return Err(Error::Cuda {
+                        what: format!(
+                            "rank {}: {} #{}: lane {lane}: {}",
+                            self.rank,
+                            p.op,
+                            p.seq,
+                            work::status_name(s)
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Launcher {
+    /// Memory of calls in flight must outlive them: wait for them (telling the device to
+    /// stop waiting on peers after a while, so a dead peer cannot hold this forever).
+    fn drop(&mut self) {
+        let _ = self.wait_all(Instant::now() + Duration::from_secs(10));
+        for p in &self.pending {
+            let _ = p.event.wait();
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! FIFOs in device memory between the GPUs of one host, for the device executor.
+//!
+//! The same FIFO contract as the host transports (slots, `head` written by the sender,
+//! `tail` by the receiver, per-slot byte counts for Simple, flags in line for LL; see
+//! [`fifo`](super::fifo)), with the memory on the receiver's GPU: the receiver allocates
+//! each FIFO it reads (`cuMemAlloc`, zeroed), exports it with CUDA IPC and publishes the
+//! handle in the communicator's store; the sender maps it (`cuIpcOpenMemHandle`, peer
+//! access enabled lazily when the GPUs differ) and its executor writes the slots straight
+//! into the receiver's memory (P2P writes; reads stay local). Ranks of one process use
+//! the receiver's pointer as it is (CUDA cannot open its own IPC handles). Several ranks
+//! may share one GPU.
+//!
+//! Connections are made on first use, for the FIFO ends a plan names: every rank first
+//! publishes the FIFOs it receives on, then maps those it sends on, so two ranks that
+//! both wait for the other's handle cannot deadlock.
+//!
+//! Layout of one FIFO's allocation (bytes): `head` at 0, `tail` at 64, per-slot byte
+//! counts from 128, slots from [`DATA_OFFSET`].
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::cuda::work::{FcclFifo, FifoEnd};
+use crate::cuda::{DeviceBuffer, ImportedBuffer};
+use crate::error::{Error, Result};
+use crate::store::Store;
+
+use super::Protocol;
+use super::fifo::Geometry;
+
+/// Where `head` lies in a FIFO's allocation.
+pub const HEAD_OFFSET: u64 = 0;
+/// Where `tail` lies.
+pub const TAIL_OFFSET: u64 = 64;
+/// Where the per-slot byte counts start.
+pub const SIZES_OFFSET: u64 = 128;
+/// Where the slots start.
+pub const DATA_OFFSET: u64 = 4096;
+/// Most slots a device FIFO may have (their counts must fit before the data).
+pub const MAX_SLOTS: usize = ((DATA_OFFSET - SIZES_OFFSET) / 4) as usize;
+
+const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIPC";
+/// Bytes of a published FIFO: magic, pid, device address, IPC handle.
+const EXPORT_BYTES: usize = 8 + 4 + 8 + 64;
+
+/// A FIFO as its receiver publishes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Export {
+    /// The receiver's process id (a sender in the same process uses `ptr` directly).
+    pub pid: u32,
+    /// The allocation's device address in the receiver's process.
+    pub ptr: u64,
+    /// Its CUDA IPC handle.
+    pub handle: [u8; 64],
+}
+
+impl Export {
+    /// The bytes stored for it.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(EXPORT_BYTES);
+        out.extend_from_slice(EXPORT_MAGIC);
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&self.ptr.to_le_bytes());
+        out.extend_from_slice(&self.handle);
+        out
+    }
+
+    /// Reads what [`encode`](Self::encode) wrote; `key` names it in errors.
+    pub fn decode(key: &str, bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != EXPORT_BYTES || &bytes[..8] != EXPORT_MAGIC {
+            return Err(Error::invalid(format!(
+                "cuda_ipc: store key {key} does not hold a device FIFO ({} bytes; another \
+                 program or version wrote it?)",
+                bytes.len()
+            )));
+        }
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&bytes[20..84]);
+        Ok(Export {
+            pid: u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")),
+            ptr: u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes")),
+            handle,
+        })
+    }
+}
+
+/// The store key of the FIFO carrying `from` → `to` on `channel` with `protocol`.
+pub fn key(channel: usize, from: usize, to: usize, protocol: Protocol) -> String {
+    format!("cuda_ipc/{channel}/{from}-{to}/{}", protocol.name())
+}
+
+/// Bytes of one FIFO's allocation.
+pub fn allocation_bytes(g: &Geometry) -> usize {
+    DATA_OFFSET as usize + g.slots * g.slot_bytes
+}
+
+/// The executor's view of a FIFO whose allocation starts at `base` (device address),
+/// with this end's private staging at `stage`.
+pub fn fifo_at(base: u64, g: &Geometry, stage: u64) -> FcclFifo {
+    FcclFifo {
+        head: (base + HEAD_OFFSET) as *mut u64,
+        tail: (base + TAIL_OFFSET) as *mut u64,
+        sizes: (base + SIZES_OFFSET) as *mut u32,
+        data: (base + DATA_OFFSET) as *mut u8,
+        stage: stage as *mut u8,
+        slots: g.slots as u32,
+        slot_bytes: g.slot_bytes as u32,
+        protocol: match g.protocol {
+            Protocol::Simple => 0,
+            Protocol::LL => 1,
+        },
+        pad: 0,
+    }
+}
+
+/// The device FIFOs of one rank, connected on first use.
+#[derive(Debug)]
+pub struct DeviceFifos {
+    rank: usize,
+    simple: Geometry,
+    ll: Geometry,
+    connected: HashMap<FifoEnd, FcclFifo>,
+    /// FIFOs this rank receives on (its allocations) and every end's staging.
+    owned: Vec<DeviceBuffer>,
+    /// FIFOs of other processes this rank sends on.
+    imported: Vec<ImportedBuffer>,
+}
+
+impl DeviceFifos {
+    /// No FIFOs yet, for `rank`, with the host FIFOs' shapes.
+    pub fn new(rank: usize, simple: Geometry, ll: Geometry) -> Result<Self> {
+        for g in [&simple, &ll] {
+            g.validate()?;
+            if g.slots > MAX_SLOTS {
+                return Err(Error::invalid(format!(
+                    "cuda_ipc: {} slots per FIFO, at most {MAX_SLOTS}",
+                    g.slots
+                )));
+            }
+        }
+        Ok(DeviceFifos {
+            rank,
+            simple,
+            ll,
+            connected: HashMap::new(),
+            owned: Vec::new(),
+            imported: Vec::new(),
+        })
+    }
+
+    /// The shape of `protocol`'s FIFOs.
+    pub fn geometry(&self, protocol: Protocol) -> Geometry {
+        match protocol {
+            Protocol::Simple => self.simple,
+            Protocol::LL => self.ll,
+        }
+    }
+
+    /// The executor's view of each of `ends`, connecting those not yet connected through
+    /// `store` (waiting at most `timeout` for a peer's handle).
+    pub fn connect(
+        &mut self,
+        ends: &[FifoEnd],
+        store: &dyn Store,
+        timeout: Duration,
+    ) -> Result<Vec<FcclFifo>> {
+        let me = self.rank;
+        // Receive ends first: publish, so that no two ranks wait on each other.
+        for end in ends.iter().filter(|e| !e.sends) {
+            if self.connected.contains_key(end) {
+                continue;
+            }
+            let g = self.geometry(end.protocol);
+            let fifo = DeviceBuffer::zeroed(allocation_bytes(&g))?;
+            let stage = DeviceBuffer::zeroed(g.payload())?;
+            let export = Export {
+                pid: std::process::id(),
+                ptr: fifo.ptr(),
+                handle: fifo.ipc_handle()?,
+            };
+            store.set(
+                &key(end.channel, end.peer, me, end.protocol),
+                &export.encode(),
+            )?;
+            self.connected
+                .insert(*end, fifo_at(fifo.ptr(), &g, stage.ptr()));
+            self.owned.extend([fifo, stage]);
+        }
+        for end in ends.iter().filter(|e| e.sends) {
+            if self.connected.contains_key(end) {
+                continue;
+            }
+            let g = self.geometry(end.protocol);
+            let k = key(end.channel, me, end.peer, end.protocol);
+            store.wait(&[&k], timeout)?;
+            let export = Export::decode(&k, &store.get(&k)?)?;
+            let base = if export.pid == std::process::id() {
+                export.ptr
+            } else {
+                let mapped = ImportedBuffer::open(&export.handle)?;
+                let ptr = mapped.ptr();
+                self.imported.push(mapped);
+                ptr
+            };
+            let stage = DeviceBuffer::zeroed(g.payload())?;
+            self.connected.insert(*end, fifo_at(base, &g, stage.ptr()));
+            self.owned.push(stage);
+        }
+        Ok(ends.iter().map(|e| self.connected[e]).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_export_round_trips_and_garbage_is_named() {
+        let e = Export {
+            pid: 4242,
+            ptr: 0x7f00_0000_1000,
+            handle: std::array::from_fn(|i| i as u8),
+        };
+        assert_eq!(Export::decode("k", &e.encode()).unwrap(), e);
+        let err = Export::decode("cuda_ipc/0/1-2/LL", b"short").unwrap_err();
+        assert!(err.to_string().contains("cuda_ipc/0/1-2/LL"), "{err}");
+        assert_eq!(key(1, 2, 3, Protocol::Simple), "cuda_ipc/1/2-3/Simple");
+    }
+
+    #[test]
+    fn the_executor_view_follows_the_layout() {
+        let g = Geometry::ll(8, 4096);
+        let f = fifo_at(0x10000, &g, 0x90000);
+        assert_eq!(f.head as u64, 0x10000);
+        assert_eq!(f.tail as u64, 0x10040);
+        assert_eq!(f.sizes as u64, 0x10080);
+        assert_eq!(f.data as u64, 0x11000);
+        assert_eq!((f.slots, f.protocol), (8, 1));
+        assert_eq!(allocation_bytes(&g), 4096 + 8 * g.slot_bytes);
+        // The executor's LL payload formula is the host's.
+        assert_eq!(g.payload(), ((g.slot_bytes / 8 - 1) * 4) & !63);
+    }
+}
