@@ -254,65 +254,78 @@ fn gpu_executor_all_reduce_of_2_to_4_ranks_on_one_gpu_equals_the_host_engine() {
     }
 }
 
-/// Runs `collective` on device memory through `Communicator::enqueue_device`, one thread
-/// and stream per rank on the one GPU, and checks every rank against the host engine.
-/// With `blocked`, each stream is first held by a wait on a host flag: the call must
-/// return while its stream cannot have run it (NCCL's stream semantics), and the result
-/// appears once the flag is released.
-fn device_collective(
-    ctx: &Arc<CudaContext>,
-    n: usize,
-    collective: Collective,
-    protocol: Protocol,
-    blocked: bool,
-) {
-    let config = CommConfig {
+/// Elements per rank of the device-path tests (a prime).
+const COUNT: usize = 65_537;
+
+/// Rank `r`'s input of `len` int32 elements.
+fn int_input(r: usize, len: usize) -> Vec<i32> {
+    (0..len).map(|i| (i * 31 + r * 7) as i32 - 1000).collect()
+}
+
+fn device_config(protocol: Protocol) -> CommConfig {
+    CommConfig {
         channels: 2,
         protocols: vec![protocol],
         ..CommConfig::default()
-    };
-    let host_comms = Communicator::init_all_with(n, config.clone()).unwrap();
-    let device_comms = Communicator::init_all_with(n, config).unwrap();
-    let count = 65_537usize;
-    let dtype = DataType::Int32;
-    let input = |r: usize, len: usize| -> Vec<i32> {
-        (0..len).map(|i| (i * 31 + r * 7) as i32 - 1000).collect()
-    };
-    let run_host = |c: &Communicator| {
-        let (in_len, out_len) = collective.buffer_lens(count, c.rank(), n);
-        let x = input(c.rank(), in_len);
-        let mut out = vec![0i32; out_len];
-        // SAFETY: buffers of the lengths the call uses.
-        unsafe {
-            c.collective_raw(
-                collective,
-                count,
-                dtype,
-                ReduceOp::Sum,
-                x.as_ptr() as *const u8,
-                out.as_mut_ptr() as *mut u8,
-            )
-        }
-        .unwrap();
-        out
-    };
-    let want: Vec<Vec<i32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = host_comms
-            .iter()
-            .map(|c| s.spawn(move || run_host(c)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let got: Vec<Vec<i32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = device_comms
+    }
+}
+
+/// Every rank's result of `collective` (sum) of [`COUNT`] int32 on the host engine.
+fn host_results(n: usize, collective: Collective, protocol: Protocol) -> Vec<Vec<i32>> {
+    let comms = Communicator::init_all_with(n, device_config(protocol)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
             .iter()
             .map(|c| {
-                let ctx = ctx.clone();
+                s.spawn(move || {
+                    let (in_len, out_len) = collective.buffer_lens(COUNT, c.rank(), n);
+                    let x = int_input(c.rank(), in_len);
+                    let mut out = vec![0i32; out_len];
+                    // SAFETY: buffers of the lengths the call uses.
+                    unsafe {
+                        c.collective_raw(
+                            collective,
+                            COUNT,
+                            DataType::Int32,
+                            ReduceOp::Sum,
+                            x.as_ptr() as *const u8,
+                            out.as_mut_ptr() as *mut u8,
+                        )
+                    }
+                    .unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Every rank's result of the same call on device memory through
+/// `Communicator::enqueue_device`, rank `r` on `contexts[r]`'s GPU with a thread and a
+/// stream of its own. With `blocked`, each stream is first held by a wait on a host flag:
+/// the call must return while its stream cannot have run it (NCCL's stream semantics),
+/// and the result appears once the flag is released.
+fn device_results(
+    contexts: &[Arc<CudaContext>],
+    collective: Collective,
+    protocol: Protocol,
+    blocked: bool,
+) -> Vec<Vec<i32>> {
+    let n = contexts.len();
+    let comms = Communicator::init_all_with(n, device_config(protocol)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(contexts)
+            .map(|(c, ctx)| {
                 s.spawn(move || {
                     ctx.bind_to_thread().unwrap();
                     let stream = ctx.new_stream().unwrap();
-                    let (in_len, out_len) = collective.buffer_lens(count, c.rank(), n);
-                    let x = stream.clone_htod(&input(c.rank(), in_len.max(1))).unwrap();
+                    let (in_len, out_len) = collective.buffer_lens(COUNT, c.rank(), n);
+                    let x = stream
+                        .clone_htod(&int_input(c.rank(), in_len.max(1)))
+                        .unwrap();
                     let out = stream.alloc_zeros::<i32>(out_len.max(1)).unwrap();
                     let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
                     if blocked {
@@ -329,8 +342,8 @@ fn device_collective(
                     }
                     let call = ferroccl::comm::RawCall {
                         collective,
-                        count,
-                        dtype,
+                        count: COUNT,
+                        dtype: DataType::Int32,
                         op: ReduceOp::Sum,
                         input: x.device_ptr(&stream).0 as *const u8,
                         output: out.device_ptr(&stream).0 as *mut u8,
@@ -343,6 +356,7 @@ fn device_collective(
                     .unwrap();
                     if blocked {
                         // The call returned with its stream held: nothing of it ran.
+                        // SAFETY: a live stream.
                         let rc = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
                         assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY);
                         // SAFETY: the mapped word the stream waits on.
@@ -357,7 +371,18 @@ fn device_collective(
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+fn check_device_collective(
+    contexts: &[Arc<CudaContext>],
+    collective: Collective,
+    protocol: Protocol,
+    blocked: bool,
+) {
+    let n = contexts.len();
+    let want = host_results(n, collective, protocol);
+    let got = device_results(contexts, collective, protocol, blocked);
     for r in 0..n {
         assert!(
             got[r] == want[r],
@@ -370,12 +395,13 @@ fn device_collective(
 fn gpu_communicator_collectives_on_device_memory_equal_the_host_engine() {
     let Some((ctx, _)) = gpu() else { return };
     for n in 2..=4 {
+        let contexts = vec![ctx.clone(); n];
         for collective in Collective::every(n)
             .into_iter()
             .filter(|c| c.root().is_none_or(|r| r == n - 1))
         {
             for protocol in Protocol::ALL {
-                device_collective(&ctx, n, collective, protocol, false);
+                check_device_collective(&contexts, collective, protocol, false);
             }
         }
     }
@@ -384,5 +410,119 @@ fn gpu_communicator_collectives_on_device_memory_equal_the_host_engine() {
 #[test]
 fn gpu_a_call_returns_before_its_stream_runs_it() {
     let Some((ctx, _)) = gpu() else { return };
-    device_collective(&ctx, 2, Collective::AllReduce, Protocol::Simple, true);
+    check_device_collective(
+        &[ctx.clone(), ctx],
+        Collective::AllReduce,
+        Protocol::Simple,
+        true,
+    );
+}
+
+#[test]
+fn gpu_every_pair_of_gpus_runs_the_collectives() {
+    let Some(_) = gpu() else { return };
+    let devices = cuda::device_count();
+    if devices < 2 {
+        eprintln!("\n*** SKIPPED (one GPU here): GPU pairs need two devices ***\n");
+        return;
+    }
+    let contexts: Vec<_> = (0..devices).map(|d| CudaContext::new(d).unwrap()).collect();
+    for a in 0..devices {
+        for b in a + 1..devices {
+            let pair = [contexts[a].clone(), contexts[b].clone()];
+            for collective in [
+                Collective::AllReduce,
+                Collective::AllGather,
+                Collective::ReduceScatter,
+            ] {
+                for protocol in Protocol::ALL {
+                    check_device_collective(&pair, collective, protocol, false);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_ferroccl_and_nvidia_nccl_agree_bit_for_bit_on_integer_data() {
+    use std::ffi::{c_int, c_void};
+    let Some(_) = gpu() else { return };
+    // NCCL takes one rank per GPU (it refuses two on one: "Duplicate GPU detected").
+    let n = cuda::device_count();
+    let contexts: Vec<_> = (0..n).map(|d| CudaContext::new(d).unwrap()).collect();
+    let lib_path = common::nvidia_lib("nccl").join("libnccl.so.2");
+    // SAFETY: NVIDIA's NCCL, loaded by path; each symbol is typed with nccl.h's signature.
+    let lib = unsafe { libloading::Library::new(&lib_path) }.expect("load NVIDIA's libnccl.so.2");
+    type InitAll = unsafe extern "C" fn(*mut *mut c_void, c_int, *const c_int) -> c_int;
+    type AllReduce = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        *mut c_void,
+        *mut c_void,
+    ) -> c_int;
+    type NoArgs = unsafe extern "C" fn() -> c_int;
+    type Destroy = unsafe extern "C" fn(*mut c_void) -> c_int;
+    // SAFETY: lookups with the signatures above.
+    let (init_all, all_reduce, group_start, group_end, destroy) = unsafe {
+        (
+            *lib.get::<InitAll>(b"ncclCommInitAll").unwrap(),
+            *lib.get::<AllReduce>(b"ncclAllReduce").unwrap(),
+            *lib.get::<NoArgs>(b"ncclGroupStart").unwrap(),
+            *lib.get::<NoArgs>(b"ncclGroupEnd").unwrap(),
+            *lib.get::<Destroy>(b"ncclCommDestroy").unwrap(),
+        )
+    };
+    let mut comms = vec![std::ptr::null_mut(); n];
+    let devs: Vec<c_int> = (0..n as c_int).collect();
+    // SAFETY: n handles to fill, n device ordinals.
+    assert_eq!(
+        unsafe { init_all(comms.as_mut_ptr(), n as c_int, devs.as_ptr()) },
+        0
+    );
+    let streams: Vec<_> = contexts.iter().map(|c| c.new_stream().unwrap()).collect();
+    let inputs: Vec<_> = (0..n)
+        .map(|r| streams[r].clone_htod(&int_input(r, COUNT)).unwrap())
+        .collect();
+    let outputs: Vec<_> = (0..n)
+        .map(|r| streams[r].alloc_zeros::<i32>(COUNT).unwrap())
+        .collect();
+    // SAFETY: NCCL's group of one all-reduce per device (ncclInt32 = 2, ncclSum = 0) on
+    // device buffers of COUNT elements, each on its device's stream.
+    unsafe {
+        assert_eq!(group_start(), 0);
+        for r in 0..n {
+            contexts[r].bind_to_thread().unwrap();
+            let rc = all_reduce(
+                inputs[r].device_ptr(&streams[r]).0 as *const c_void,
+                outputs[r].device_ptr(&streams[r]).0 as *mut c_void,
+                COUNT,
+                2,
+                0,
+                comms[r],
+                streams[r].cu_stream() as *mut c_void,
+            );
+            assert_eq!(rc, 0);
+        }
+        assert_eq!(group_end(), 0);
+    }
+    let nccl: Vec<Vec<i32>> = (0..n)
+        .map(|r| {
+            streams[r].synchronize().unwrap();
+            streams[r].clone_dtoh(&outputs[r]).unwrap()
+        })
+        .collect();
+    for c in comms {
+        // SAFETY: a communicator made above, destroyed once.
+        unsafe { destroy(c) };
+    }
+    for protocol in Protocol::ALL {
+        let ours = device_results(&contexts, Collective::AllReduce, protocol, false);
+        assert!(
+            ours == nccl,
+            "{n} ranks, {protocol:?}: ferroccl's all-reduce differs from NCCL's"
+        );
+    }
 }

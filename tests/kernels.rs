@@ -1,6 +1,6 @@
 //! The CUDA kernels (`kernels/*.cu`), checked without a GPU:
 //!
-//! - **compiled for real GPUs**: NVRTC (fetched from PyPI by `tools/fetch-nvrtc`; it
+//! - **compiled for real GPUs**: NVRTC (fetched from PyPI by `tools/fetch-nvidia-lib nvrtc`; it
 //!   needs no GPU) compiles every source to a cubin for sm_80 and sm_90 with ptxas's
 //!   report, and the test holds every entry point to zero spills and a register budget;
 //! - **run on the CPU**: the same sources compiled as host C++ through

@@ -12,17 +12,22 @@
 //! - [`work`] lays a [`Plan`](crate::plan::Plan) out as the device executor
 //!   (`kernels/executor.cu`) reads it: the same plan the host engine, the simulator and
 //!   the visualizer consume, in a flat `#[repr(C)]` form.
+//! - [`launch`] enqueues plans on device memory on the caller's stream (NCCL's stream
+//!   semantics), over the FIFOs of [`transport::cuda_ipc`](crate::transport::cuda_ipc).
+//! - The RAII wrappers here ([`DeviceBuffer`], [`ImportedBuffer`], [`MappedHostBuffer`],
+//!   [`Event`], [`Function`]) are the only places that call the driver for them.
 //!
 //! What has run where is stated in the README ("GPUs"): the kernels compile here with
-//! NVRTC and their logic runs here as host C++ (`tests/kernels.rs`); nothing in this
-//! module has yet run against a GPU.
+//! NVRTC and their logic runs here as host C++ (`tests/kernels.rs`); nothing that calls
+//! the driver has yet run against a GPU (`tests/gpu.rs` is ready for one).
 
 pub mod launch;
 pub mod nvrtc;
 pub mod work;
 
+use std::collections::HashMap;
 use std::ffi::{CStr, c_int, c_uint, c_void};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
@@ -520,10 +525,18 @@ unsafe impl Sync for Function {}
 
 impl Function {
     /// Loads `source`, compiled for the current device's architecture, and returns its
-    /// entry point `entry`. Modules stay loaded for the life of the process (one per
-    /// source and device).
+    /// entry point `entry`. Each (source, entry, device) is loaded once per process and
+    /// stays loaded.
     pub fn load(source: &nvrtc::KernelSource, entry: &str) -> Result<Self> {
+        type Loaded = Mutex<HashMap<(&'static str, String, usize), Function>>;
+        static LOADED: OnceLock<Loaded> = OnceLock::new();
         let device = runtime()?;
+        let key = (source.name, entry.to_string(), device);
+        let loaded = LOADED.get_or_init(Default::default);
+        let mut loaded = loaded.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = loaded.get(&key) {
+            return Ok(*f);
+        }
         let arch = compute_capability(device)?;
         let cubin = nvrtc::cubin(source, arch)?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
@@ -541,6 +554,7 @@ impl Function {
                 "cuModuleGetFunction",
             )?;
         }
+        loaded.insert(key, Function(f));
         Ok(Function(f))
     }
 

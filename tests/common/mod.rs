@@ -138,19 +138,26 @@ pub fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)
 }
 
-/// Points ferroccl at NVRTC from the `nvidia-cuda-nvrtc` wheel (`tools/fetch-nvrtc`,
-/// which needs no GPU) and returns its directory. Call it before anything compiles.
-pub fn nvrtc_from_pypi() -> std::path::PathBuf {
+/// Fetches one of NVIDIA's libraries from PyPI (`tools/fetch-nvidia-lib`: `nvrtc` or
+/// `nccl`, neither needs a GPU to fetch) and returns its directory.
+pub fn nvidia_lib(which: &str) -> std::path::PathBuf {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = std::process::Command::new(root.join("tools/fetch-nvrtc"))
+    let out = std::process::Command::new(root.join("tools/fetch-nvidia-lib"))
+        .arg(which)
         .output()
-        .expect("run tools/fetch-nvrtc");
+        .expect("run tools/fetch-nvidia-lib");
     assert!(
         out.status.success(),
-        "tools/fetch-nvrtc failed: {}",
+        "tools/fetch-nvidia-lib {which} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let dir = root.join(String::from_utf8_lossy(&out.stdout).trim());
+    root.join(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Points ferroccl at NVRTC from the `nvidia-cuda-nvrtc` wheel and returns its
+/// directory. Call it before anything compiles.
+pub fn nvrtc_from_pypi() -> std::path::PathBuf {
+    let dir = nvidia_lib("nvrtc");
     // SAFETY: set before ferroccl reads it (once, on its first compilation); the tests
     // that call this set the same value.
     unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
