@@ -13,6 +13,11 @@ recorder, watchdog and desync check included) and wraps the result in a ``Work``
 with ``async_op=False`` runs in the caller's thread; an asynchronous one runs in order on
 the group's progress thread, and its future completes by itself.
 
+CUDA tensors (not yet run on a GPU: see the README, "GPUs") follow NCCL's stream
+semantics: a call is enqueued on the tensors' current stream and returns; its ``Work`` is
+an event on that stream (``wait`` makes the caller's current stream wait for it).
+Failures of device work surface on a later call of the group.
+
 Everything that decides how data moves is in Rust; this module only translates torch's
 arguments (options, ``ReduceOp``, lists of tensors) and makes inputs contiguous.
 """
@@ -144,11 +149,49 @@ class _Work(dist._Work):
         return fut
 
 
+class _CudaWork(dist._Work):
+    """A call on CUDA tensors, enqueued on their current stream: an event recorded right
+    after it. Non-contiguous outputs are copied back on the same stream at once."""
+
+    def __init__(self, result: list[torch.Tensor], staged: _Staged, device: torch.device):
+        super().__init__()
+        stream = torch.cuda.current_stream(device)
+        for dst, src in staged.copy_back:
+            dst.copy_(src)
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._result = result
+        self._device = device
+
+    def wait(self, timeout: Any = None) -> bool:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future(devices=[self._device])
+        fut.set_result(self._result)
+        return fut
+
+
 _LIVE: set[FerrocclBackend] = set()
 
 
 class FerrocclBackend(_C10dBackend):
-    """A ``torch.distributed`` backend whose collectives run on ferroccl (CPU tensors)."""
+    """A ``torch.distributed`` backend whose collectives run on ferroccl (CPU tensors, and
+    CUDA tensors on their current stream)."""
 
     def __init__(
         self,
@@ -196,6 +239,8 @@ class FerrocclBackend(_C10dBackend):
     def _work(self, work: _ferroccl.Work, result: list[torch.Tensor], staged: _Staged) -> dist._Work:
         if self._coalescing:
             self._window_results.extend(result)
+        if result and result[0].is_cuda:
+            return _CudaWork(result, staged, result[0].device)
         return _Work(work, result, staged)
 
     # ----- collectives ----------------------------------------------------------
@@ -226,6 +271,16 @@ class FerrocclBackend(_C10dBackend):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> dist._Work:
         s = _Staged()
+        if inputs and inputs[0].is_cuda:
+            # Device memory is not staged in Rust: gather into one flat tensor per input,
+            # then copy out, all on the current stream.
+            w = None
+            for lst, x in zip(output_lists, inputs):
+                flat = torch.empty((len(lst), *x.shape), dtype=x.dtype, device=x.device)
+                w = self._pg.all_gather_single([flat], [s.input(x)], _blocking(opts))
+                for i, t in enumerate(lst):
+                    t.copy_(flat[i])
+            return self._work(w, [t for lst in output_lists for t in lst], s)
         outs = [s.outputs(lst) for lst in output_lists]
         w = self._pg.allgather(outs, s.inputs(inputs), _blocking(opts))
         return self._work(w, [t for lst in output_lists for t in lst], s)
@@ -266,6 +321,11 @@ class FerrocclBackend(_C10dBackend):
     ) -> dist._Work:
         s = _Staged()
         op, factor = _reduce_op(opts.reduceOp)
+        if outputs and outputs[0].is_cuda:
+            # As allgather: one flat input per output, concatenated on the current stream.
+            flats = [torch.cat([t.reshape(-1) for t in lst]) for lst in input_lists]
+            w = self._pg.reduce_scatter_single(s.outputs(outputs), flats, op, factor, _blocking(opts))
+            return self._work(w, list(outputs), s)
         ins = [s.inputs(lst) for lst in input_lists]
         w = self._pg.reduce_scatter(s.outputs(outputs), ins, op, factor, _blocking(opts))
         return self._work(w, list(outputs), s)
@@ -336,7 +396,10 @@ class FerrocclBackend(_C10dBackend):
     def end_coalescing(self) -> dist._Work:
         self._coalescing = False
         results, self._window_results = self._window_results, []
-        return _Work(self._pg.end_coalescing(False), results, _Staged())
+        work = self._pg.end_coalescing(False)
+        if results and results[0].is_cuda:
+            return _CudaWork(results, _Staged(), results[0].device)
+        return _Work(work, results, _Staged())
 
     def split(self, store: Any, ranks: list[int], opts: Any) -> FerrocclBackend | None:
         ranks = list(ranks)
@@ -436,5 +499,5 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     _registered = True

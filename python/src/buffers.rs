@@ -191,6 +191,8 @@ pub struct Lent<'py> {
     pub elements: Elements,
     /// Whether the memory may be written (a read-only buffer can only be sent).
     pub writable: bool,
+    /// The CUDA device of a CUDA tensor (`None`: host memory).
+    pub device: Option<usize>,
     /// Keeps the memory alive (and exported) while a call uses it.
     pub keep: Bound<'py, PyAny>,
 }
@@ -217,15 +219,25 @@ impl<'py> Lent<'py> {
             .getattr(pyo3::intern!(py, "is_cpu"))
             .and_then(|c| c.extract::<bool>())
             .unwrap_or(false);
-        if !on_cpu {
-            let device: String = t
+        let on_cuda = t
+            .getattr(pyo3::intern!(py, "is_cuda"))
+            .and_then(|c| c.extract::<bool>())
+            .unwrap_or(false);
+        let mut device = None;
+        if on_cuda {
+            let index: Option<usize> = t
+                .getattr(pyo3::intern!(py, "device"))?
+                .getattr(pyo3::intern!(py, "index"))?
+                .extract()?;
+            device = Some(index.unwrap_or(0));
+        } else if !on_cpu {
+            let kind: String = t
                 .getattr(pyo3::intern!(py, "device"))?
                 .getattr(pyo3::intern!(py, "type"))?
                 .extract()?;
             return Err(crate::errors::value_error(format!(
-                "{what} is a {device} tensor: ferroccl's Python binding runs collectives \
-                 on CPU memory only (its CUDA kernels, kernels/*.cu, are built and tested \
-                 but not yet launched from Python: see the README, \"GPUs\")"
+                "{what} is a {kind} tensor: ferroccl runs collectives on CPU memory, and on \
+                 CUDA tensors through the torch backend"
             )));
         }
         let dtype: String = t.getattr(pyo3::intern!(py, "dtype"))?.str()?.extract()?;
@@ -251,6 +263,7 @@ impl<'py> Lent<'py> {
             bytes,
             elements,
             writable: true,
+            device,
             keep: t.clone(),
         })
     }
@@ -284,6 +297,7 @@ impl<'py> Lent<'py> {
             bytes,
             elements,
             writable,
+            device: None,
             keep: Bound::new(py, export)?.into_any(),
         })
     }

@@ -67,6 +67,11 @@ pub struct Batch {
     before: Vec<Copy>,
     /// Copies out of staging memory, made once the calls succeeded.
     after: Vec<Copy>,
+    /// Where the memory of the calls is: `Some(None)` host memory, `Some(Some(d))` CUDA
+    /// device `d` (`None`: no memory yet).
+    place: Option<Option<usize>>,
+    /// Set when the calls mix places (host and device, or two devices).
+    mixed: bool,
 }
 
 // SAFETY: the raw pointers in a batch point into memory the batch itself keeps alive
@@ -81,11 +86,21 @@ unsafe impl Sync for Batch {}
 impl Batch {
     /// Appends another batch (a coalescing window collects several).
     pub fn extend(&mut self, other: Batch) {
+        if let Some(p) = other.place {
+            self.note_place(p);
+        }
+        self.mixed |= other.mixed;
         self.calls.extend(other.calls);
         self.keep.extend(other.keep);
         self.scratch.extend(other.scratch);
         self.before.extend(other.before);
         self.after.extend(other.after);
+    }
+
+    /// The raw calls (through `&self`, so a closure holding the batch by reference may
+    /// cross threads: the batch is `Sync`).
+    pub fn raw_calls(&self) -> &[RawCall] {
+        &self.calls
     }
 
     /// Whether the batch has copies to make around its calls.
@@ -104,7 +119,37 @@ impl Batch {
     }
 
     fn hold(&mut self, lent: &Lent) {
+        self.note_place(lent.device);
         self.keep.push(lent.keep.clone().unbind());
+    }
+
+    fn note_place(&mut self, place: Option<usize>) {
+        match self.place {
+            None => self.place = Some(place),
+            Some(p) if p != place => self.mixed = true,
+            Some(_) => {}
+        }
+    }
+
+    /// The CUDA device the calls' memory is on (`None`: host memory), or an error naming
+    /// what cannot be: memory of several places in one call, or CUDA memory the batch
+    /// would have to stage through host copies (lists of tensors that are not one
+    /// buffer).
+    pub fn device(&self, op: &str) -> PyResult<Option<usize>> {
+        if self.mixed {
+            return Err(crate::errors::value_error(format!(
+                "{op}: tensors on different devices (or CPU and CUDA) in one call"
+            )));
+        }
+        let device = self.place.flatten();
+        if device.is_some() && self.has_copies() {
+            return Err(crate::errors::value_error(format!(
+                "{op}: on CUDA tensors ferroccl needs each side as one buffer (a list of \
+                 separate tensors would be staged through host memory); use the \
+                 *_into_tensor / *_tensor forms"
+            )));
+        }
+        Ok(device)
     }
 
     /// Staging memory of `bytes`, owned by the batch.

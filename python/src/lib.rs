@@ -100,6 +100,34 @@ struct Communicator {
     group: Mutex<(usize, Batch)>,
 }
 
+/// Enqueues `batch`, on CUDA memory of `device`, on torch's current stream of that
+/// device and returns (NCCL's stream semantics: the tensors hold the result once that
+/// stream gets there). Failures of the device work surface on a later call.
+fn enqueue_cuda(
+    py: Python<'_>,
+    comm: &CoreCommunicator,
+    batch: Batch,
+    device: usize,
+) -> PyResult<()> {
+    let stream: usize = py
+        .import("torch")?
+        .getattr("cuda")?
+        .call_method1("current_stream", (device,))?
+        .getattr("cuda_stream")?
+        .extract()?;
+    let held = &batch;
+    let r = py.detach(|| {
+        ferroccl::cuda::bind_device(device)?;
+        // SAFETY: the batch's calls were checked against the tensors' lengths by the
+        // builder. The tensors are used on their current stream, in its order: torch's
+        // caching allocator reuses their memory, once freed, only for work queued after
+        // this call on the same stream.
+        unsafe { comm.enqueue_device(held.raw_calls(), stream as *mut std::ffi::c_void) }
+    });
+    drop(batch);
+    r.py_err()
+}
+
 impl Communicator {
     fn wrap(comm: CoreCommunicator) -> Self {
         Communicator {
@@ -129,6 +157,9 @@ impl Communicator {
 
     fn run_now(&self, py: Python<'_>, batch: Batch) -> PyResult<()> {
         let comm = &self.comm;
+        if let Some(device) = batch.device(crate::calls::batch_name(&batch.calls, "call"))? {
+            return enqueue_cuda(py, comm, batch, device);
+        }
         let r = py.detach(|| {
             batch.copy_before();
             // SAFETY: the batch holds the Python objects whose memory its calls use,
@@ -513,6 +544,10 @@ impl ProcessGroup {
             }
         }
         let pg = self.live()?;
+        if let Some(device) = batch.device(op)? {
+            enqueue_cuda(py, pg.communicator(), batch, device)?;
+            return Ok(Work::done(op));
+        }
         let (work, completion) = Work::pending(op);
         let batch = Arc::new(batch);
         let around = completion.around(batch.clone());

@@ -287,6 +287,23 @@ pub fn runtime() -> Result<usize> {
     }
 }
 
+/// Makes device `ordinal`'s primary context (the one the CUDA runtime, and so torch,
+/// uses) current on this thread.
+pub fn bind_device(ordinal: usize) -> Result<()> {
+    runtime()?;
+    let mut dev: sys::CUdevice = 0;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the runtime symbols are present; each call writes one handle.
+    unsafe {
+        check(sys::cuDeviceGet(&mut dev, ordinal as c_int), "cuDeviceGet")?;
+        check(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    }
+}
+
 /// Device memory from `cuMemAlloc`, zeroed, freed on drop. Such memory can be exported
 /// to other processes with CUDA IPC.
 #[derive(Debug)]
