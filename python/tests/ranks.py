@@ -507,7 +507,43 @@ def split() -> None:
     emit(out)
 
 
+def cuda() -> None:
+    """Collectives on CUDA tensors (ranks share the GPUs round-robin), each checked
+    against the serial reference computed on the CPU."""
+    dev = torch.device("cuda", RANK % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("ferroccl", timeout=timedelta(seconds=120))
+    checked: dict[str, bool] = {}
+    for dtype in [torch.int32, torch.float32, torch.bfloat16]:
+        count = 100_003
+        inputs = [data(r, count, dtype) for r in range(WORLD)]
+        x = inputs[RANK].to(dev)
+        dist.all_reduce(x)
+        checked[f"all_reduce {dtype}"] = same(x.cpu(), reference("SUM", inputs))
+        outs = [torch.empty(count, dtype=dtype, device=dev) for _ in range(WORLD)]
+        dist.all_gather(outs, inputs[RANK].to(dev))
+        checked[f"all_gather {dtype}"] = all(same(o.cpu(), i) for o, i in zip(outs, inputs))
+        flat = torch.empty(WORLD * count, dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(flat, inputs[RANK].to(dev))
+        checked[f"all_gather_into_tensor {dtype}"] = same(flat.cpu(), torch.cat(inputs))
+        out = torch.empty(count // WORLD, dtype=dtype, device=dev)
+        n = (count // WORLD) * WORLD
+        dist.reduce_scatter_tensor(out, inputs[RANK][:n].to(dev))
+        want = reference("SUM", [i[:n] for i in inputs])[RANK * (n // WORLD) : (RANK + 1) * (n // WORLD)]
+        checked[f"reduce_scatter_tensor {dtype}"] = same(out.cpu(), want)
+        b = inputs[RANK].to(dev)
+        work = dist.broadcast(b, src=WORLD - 1, async_op=True)
+        assert work is not None
+        work.wait()
+        checked[f"broadcast {dtype}"] = same(b.cpu(), inputs[WORLD - 1])
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+    emit(checked)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
+    "cuda": cuda,
     "split": split,
     "waits": waits,
     "desync": desync,
