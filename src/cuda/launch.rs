@@ -10,6 +10,10 @@
 //! event has passed; each later call, [`Launcher::poll`] and [`Launcher::wait_all`] read
 //! the lanes' statuses of finished calls and turn a failed lane into an error.
 //!
+//! A call's memory comes from pools kept by the launcher and goes back to them when the
+//! call has finished: `cuMemFree` and `cuMemFreeHost` may wait for the whole device, so
+//! the steady state of a training loop allocates and frees nothing.
+//!
 //! The executor's waits look at an abort word in page-locked host memory: setting it
 //! ([`Launcher::abort`]: the communicator's abort, or a deadline passing in
 //! [`Launcher::wait_all`]) returns the stream to its owner.
@@ -118,9 +122,40 @@ struct Pending {
     event: Event,
     status: MappedHostBuffer,
     nlanes: usize,
-    _staging: MappedHostBuffer,
-    _work: DeviceBuffer,
-    _scratch: Vec<DeviceBuffer>,
+    staging: MappedHostBuffer,
+    work: DeviceBuffer,
+    scratch: Vec<DeviceBuffer>,
+}
+
+/// Buffers of finished calls, for later ones (first fit).
+#[derive(Default)]
+struct Pools {
+    device: Vec<DeviceBuffer>,
+    host: Vec<MappedHostBuffer>,
+}
+
+impl Pools {
+    /// Device memory of at least `bytes` (contents undefined).
+    fn device(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        match self.device.iter().position(|b| b.len() >= bytes) {
+            Some(i) => Ok(self.device.swap_remove(i)),
+            None => DeviceBuffer::zeroed(bytes),
+        }
+    }
+
+    /// Mapped host memory of at least `bytes` (contents undefined).
+    fn host(&mut self, bytes: usize) -> Result<MappedHostBuffer> {
+        match self.host.iter().position(|b| b.len() >= bytes) {
+            Some(i) => Ok(self.host.swap_remove(i)),
+            None => MappedHostBuffer::zeroed(bytes),
+        }
+    }
+
+    fn give_back(&mut self, p: Pending) {
+        self.host.extend([p.status, p.staging]);
+        self.device.push(p.work);
+        self.device.extend(p.scratch);
+    }
 }
 
 /// One rank's device side: the executor, its FIFOs, its calls in flight.
@@ -130,6 +165,7 @@ pub struct Launcher {
     fifos: DeviceFifos,
     abort_word: MappedHostBuffer,
     pending: VecDeque<Pending>,
+    pools: Pools,
 }
 
 impl std::fmt::Debug for Launcher {
@@ -152,6 +188,7 @@ impl Launcher {
             fifos: DeviceFifos::new(rank, simple, ll)?,
             abort_word: MappedHostBuffer::zeroed(4)?,
             pending: VecDeque::new(),
+            pools: Pools::default(),
         })
     }
 
@@ -191,7 +228,7 @@ impl Launcher {
         for (i, o) in ops.iter().enumerate() {
             let elems = plan.scratch_elems(i);
             let s = if elems > 0 {
-                let b = DeviceBuffer::zeroed(elems * o.kernel.dtype().size())?;
+                let b = self.pools.device(elems * o.kernel.dtype().size())?;
                 let p = b.ptr();
                 scratch.push(b);
                 p
@@ -207,16 +244,16 @@ impl Launcher {
             ));
         }
         let packed = pack(&laid, &fifos, &fccl_ops);
-        let status = MappedHostBuffer::zeroed(4 * laid.lanes.len())?;
+        let status = self.pools.host(4 * laid.lanes.len())?;
         // Not yet run: a lane that never reports is not mistaken for a success.
         // SAFETY: nlanes u32 words of page-locked memory no kernel uses yet.
-        unsafe { std::ptr::write_bytes(status.host(), 0xFF, status.len()) };
-        let staging = MappedHostBuffer::zeroed(packed.bytes.len())?;
+        unsafe { std::ptr::write_bytes(status.host(), 0xFF, 4 * laid.lanes.len()) };
+        let staging = self.pools.host(packed.bytes.len())?;
         // SAFETY: the staging buffer holds the packed bytes.
         unsafe {
             std::ptr::copy_nonoverlapping(packed.bytes.as_ptr(), staging.host(), packed.bytes.len())
         };
-        let work_mem = DeviceBuffer::zeroed(packed.bytes.len())?;
+        let work_mem = self.pools.device(packed.bytes.len())?;
         // SAFETY: staging is page-locked and kept (in `Pending`) until the event passes;
         // the device buffer holds the bytes; the stream is the caller's.
         unsafe {
@@ -238,9 +275,9 @@ impl Launcher {
             event,
             nlanes: laid.lanes.len(),
             status,
-            _staging: staging,
-            _work: work_mem,
-            _scratch: scratch,
+            staging,
+            work: work_mem,
+            scratch,
         });
         Ok(())
     }
@@ -253,7 +290,9 @@ impl Launcher {
                 break;
             }
             let p = self.pending.pop_front().expect("checked above");
-            self.verdict(&p)?;
+            let verdict = self.verdict(&p);
+            self.pools.give_back(p);
+            verdict?;
         }
         Ok(())
     }
@@ -267,9 +306,11 @@ impl Launcher {
                     self.abort();
                     p.event.wait()?;
                     let p = self.pending.pop_front().expect("checked above");
+                    let (op, seq) = (p.op, p.seq);
+                    self.pools.give_back(p);
                     return Err(Error::Timeout {
-                        op: p.op.to_string(),
-                        seq: p.seq,
+                        op: op.to_string(),
+                        seq,
                         rank: self.rank,
                         waiting_on: Vec::new(),
                         waited: Duration::ZERO,
@@ -279,7 +320,9 @@ impl Launcher {
                 continue;
             }
             let p = self.pending.pop_front().expect("checked above");
-            self.verdict(&p)?;
+            let verdict = self.verdict(&p);
+            self.pools.give_back(p);
+            verdict?;
         }
         Ok(())
     }
