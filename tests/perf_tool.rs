@@ -208,6 +208,26 @@ fn bad_flags_give_a_usage_error() {
 }
 
 #[test]
+fn device_memory_without_a_driver_is_a_clear_error() {
+    if ferroccl::cuda::device_count() > 0 {
+        eprintln!(
+            "\n*** SKIPPED device_memory_without_a_driver_is_a_clear_error: this machine has a GPU ***\n"
+        );
+        return;
+    }
+    for args in [
+        "--memory cuda -t 2 -b 8 -e 8",
+        "--backend both -t 2 -b 8 -e 8",
+    ] {
+        let out = run("all_reduce_perf", args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args}: {stderr}");
+        assert!(stderr.contains("CUDA"), "{args}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args}: {stderr}");
+    }
+}
+
+#[test]
 fn every_collective_dtype_and_op_on_two_and_three_ranks() {
     for ranks in [2, 3] {
         for (name, reduces) in TOOLS {

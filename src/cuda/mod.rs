@@ -243,6 +243,10 @@ const RUNTIME_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
 ];
 
 /// The driver, with every symbol the device path calls, and a context current on this
@@ -608,6 +612,81 @@ impl Function {
                 "cuLaunchKernel",
             )
         }
+    }
+}
+
+/// A CUDA stream that does not synchronise with the legacy default stream, destroyed on
+/// drop.
+#[derive(Debug)]
+pub struct Stream(sys::CUstream);
+
+// SAFETY: a stream handle may be used from any thread of the process.
+unsafe impl Send for Stream {}
+// SAFETY: as above; enqueueing does not mutate the handle.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A new non-blocking stream on the current context.
+    pub fn new() -> Result<Self> {
+        runtime()?;
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: the runtime symbols are present and a context is current.
+        unsafe {
+            check(
+                sys::cuStreamCreate(
+                    &mut s,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
+                ),
+                "cuStreamCreate",
+            )?;
+        }
+        Ok(Stream(s))
+    }
+
+    /// The handle, as the C APIs take it.
+    pub fn handle(&self) -> *mut c_void {
+        self.0 as *mut c_void
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream of this process.
+        unsafe { synchronize(self.handle()) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created by cuStreamCreate and destroyed once.
+        let _ = unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+/// Copies `bytes` from host memory to device memory and waits for the copy.
+///
+/// # Safety
+/// `src` is valid for reads of `bytes`; `dst` is device memory of at least `bytes`.
+pub unsafe fn copy_to_device(dst: u64, src: *const u8, bytes: usize) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        check(
+            sys::cuMemcpyHtoD_v2(dst, src as *const c_void, bytes),
+            "cuMemcpyHtoD",
+        )
+    }
+}
+
+/// Copies `bytes` from device memory to host memory and waits for the copy.
+///
+/// # Safety
+/// `src` is device memory of at least `bytes`; `dst` is valid for writes of `bytes`.
+pub unsafe fn copy_from_device(dst: *mut u8, src: u64, bytes: usize) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        check(
+            sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, bytes),
+            "cuMemcpyDtoH",
+        )
     }
 }
 

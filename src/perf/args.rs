@@ -28,14 +28,21 @@ nccl-tests flags (same meanings):
   -T, --timeout SECONDS     fail a collective that takes longer              [600]
   -J, --output_file FILE    write the results as JSON
   -m, --agg_iters 1         (only 1: no aggregation)
-  -g, --ngpus 1             (host memory: only 1)
-  -z, -y, -C, -G, -R        accepted for compatibility; no effect on host memory
+  -g, --ngpus 1             (one device per rank: only 1)
+  -z, -y, -C, -G, -R        accepted for compatibility; no effect
 
 ferroccl's own:
   -np N                     start N local ranks as processes over /dev/shm
   -t, --nthreads N          run N ranks as threads of this process
                             (neither: one rank, or the ranks of ferrorun/torchrun/
                             srun/mpirun when RANK etc. are set)
+  --memory host|cuda        where the buffers are: host memory, or CUDA device
+                            memory (rank r on GPU r % GPUs, calls on a stream)  [host]
+  --backend ferroccl|nccl|both
+                            run the sweep on ferroccl, on NVIDIA's NCCL (device
+                            memory; the library FERROCCL_NCCL_LIB names, e.g. the
+                            nvidia-nccl-cu13 wheel's libnccl.so.2), or on both one
+                            after the other with a comparison at the end  [ferroccl]
   --csv FILE                write the results as CSV
   --plot FILE.svg           draw bus bandwidth and latency against size
   --no-progress             no progress line on stderr
@@ -63,6 +70,26 @@ pub enum Iters {
     /// About 1 GiB of traffic per size, clamped to 20..=10000, with warm-up of a fifth
     /// (at least 5) — the convention of the OpenMPI and Gloo baselines.
     Auto,
+}
+
+/// Where the buffers of a sweep are (`--memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory: calls complete when they return.
+    Host,
+    /// CUDA device memory: calls are enqueued on a stream.
+    Cuda,
+}
+
+/// Which library runs the collectives (`--backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// ferroccl.
+    Ferroccl,
+    /// NVIDIA's NCCL, loaded by path (device memory only).
+    Nccl,
+    /// ferroccl, then NCCL, then a table of both.
+    Both,
 }
 
 /// A parsed command line.
@@ -106,6 +133,10 @@ pub struct PerfArgs {
     pub threads: Option<usize>,
     /// Progress line on stderr (when it is a terminal).
     pub progress: bool,
+    /// Where the buffers are.
+    pub memory: Memory,
+    /// Which library runs the collectives.
+    pub backend: Backend,
 }
 
 impl Default for PerfArgs {
@@ -130,6 +161,8 @@ impl Default for PerfArgs {
             processes: None,
             threads: None,
             progress: true,
+            memory: Memory::Host,
+            backend: Backend::Ferroccl,
         }
     }
 }
@@ -194,6 +227,7 @@ fn number<T: std::str::FromStr>(flag: &str, text: &str) -> Result<T> {
 pub fn parse(argv: &[String]) -> Result<Option<PerfArgs>> {
     let mut a = PerfArgs::default();
     let mut factor_given = false;
+    let mut memory_given = false;
     let mut i = 0;
     while i < argv.len() {
         let arg = &argv[i];
@@ -267,6 +301,26 @@ pub fn parse(argv: &[String]) -> Result<Option<PerfArgs>> {
             "--csv" => a.csv = Some(PathBuf::from(value()?)),
             "--plot" => a.plot = Some(PathBuf::from(value()?)),
             "--no-progress" => a.progress = false,
+            "--memory" => {
+                memory_given = true;
+                a.memory = match value()?.to_ascii_lowercase().as_str() {
+                    "host" => Memory::Host,
+                    "cuda" | "device" => Memory::Cuda,
+                    v => return Err(Error::invalid(format!("--memory {v:?}: host or cuda"))),
+                }
+            }
+            "--backend" => {
+                a.backend = match value()?.to_ascii_lowercase().as_str() {
+                    "ferroccl" => Backend::Ferroccl,
+                    "nccl" => Backend::Nccl,
+                    "both" => Backend::Both,
+                    v => {
+                        return Err(Error::invalid(format!(
+                            "--backend {v:?}: ferroccl, nccl or both"
+                        )));
+                    }
+                }
+            }
             "-np" => a.processes = Some(number(&flag, &value()?)?),
             "-t" | "--nthreads" => a.threads = Some(number(&flag, &value()?)?),
             "-m" | "--agg_iters" => {
@@ -292,6 +346,14 @@ pub fn parse(argv: &[String]) -> Result<Option<PerfArgs>> {
     }
     if !factor_given {
         a.step_factor = 1;
+    }
+    if a.backend != Backend::Ferroccl {
+        if memory_given && a.memory == Memory::Host {
+            return Err(Error::invalid(
+                "--backend nccl/both runs on device memory: drop --memory host",
+            ));
+        }
+        a.memory = Memory::Cuda;
     }
     a.validate()?;
     Ok(Some(a))
@@ -407,6 +469,11 @@ mod tests {
         assert_eq!(a.iterations(8), (10_000, 2000));
         let a = p("-b1K -e4K -i 1K --check=1").unwrap().unwrap();
         assert_eq!(a.sizes(), [1024, 2048, 3072, 4096]);
+        assert_eq!((a.memory, a.backend), (Memory::Host, Backend::Ferroccl));
+        let a = p("--backend both").unwrap().unwrap();
+        assert_eq!((a.memory, a.backend), (Memory::Cuda, Backend::Both));
+        let a = p("--memory=cuda").unwrap().unwrap();
+        assert_eq!((a.memory, a.backend), (Memory::Cuda, Backend::Ferroccl));
     }
 
     #[test]
@@ -420,6 +487,9 @@ mod tests {
             ("-g 8", "-g"),
             ("-b 12Q", "12Q"),
             ("-np 2 -t 2", "cannot be combined"),
+            ("--memory gpu", "--memory"),
+            ("--backend mpi", "--backend"),
+            ("--backend nccl --memory host", "device memory"),
         ] {
             let err = p(words).unwrap_err().to_string();
             assert!(err.contains(needle), "{words}: {err}");

@@ -17,12 +17,14 @@
 
 pub mod args;
 pub mod check;
+mod device;
 mod report;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use args::Memory;
 pub use args::{Average, PerfArgs};
 pub use report::{Measure, Row};
 
@@ -238,6 +240,38 @@ pub fn run(test: Test, args: &PerfArgs, argv: &[String]) -> Result<u8> {
 /// Runs the sweep as one rank; rank 0 prints. Returns the number of wrong elements over
 /// all ranks.
 pub fn run_rank(comm: &Communicator, test: Test, args: &PerfArgs) -> Result<u64> {
+    if args.memory == Memory::Host {
+        return Ok(sweep(comm, test, args, &Target::Host)?.1);
+    }
+    let rank = device::DeviceRank::new(comm, args)?;
+    let mut wrong = 0;
+    let mut sweeps = Vec::new();
+    for backend in rank.backends() {
+        let (rows, w) = sweep(comm, test, args, &Target::Device(&rank, backend))?;
+        wrong += w;
+        sweeps.push((backend, rows));
+    }
+    if comm.rank() == 0 && sweeps.len() > 1 {
+        print!("{}", device::comparison(&sweeps));
+    }
+    Ok(wrong)
+}
+
+/// Where and on what a sweep runs.
+enum Target<'a> {
+    /// Host memory, ferroccl.
+    Host,
+    /// Device memory, on this rank's GPU, with one library.
+    Device(&'a device::DeviceRank<'a>, device::Library),
+}
+
+/// One sweep over the sizes, types, ops and roots: its rows and wrong elements.
+fn sweep(
+    comm: &Communicator,
+    test: Test,
+    args: &PerfArgs,
+    target: &Target,
+) -> Result<(Vec<Row>, u64)> {
     let (rank, n) = (comm.rank(), comm.size());
     let lead = rank == 0;
     let roots: Vec<usize> = match (test.rooted(), args.root) {
@@ -258,6 +292,9 @@ pub fn run_rank(comm: &Communicator, test: Test, args: &PerfArgs) -> Result<u64>
     let progress = lead && args.progress && std::io::stderr().is_terminal();
     if lead {
         print!("{}", report::header(test, args, comm));
+        if let Target::Device(d, library) = target {
+            println!("{}", d.describe(*library));
+        }
     }
     let mut rows = Vec::with_capacity(total);
     for _cycle in 0..args.cycles {
@@ -274,7 +311,7 @@ pub fn run_rank(comm: &Communicator, test: Test, args: &PerfArgs) -> Result<u64>
                             );
                         }
                         let row = crate::with_element_type!(dtype, T => {
-                            measure::<T>(comm, test, op, root, bytes, args)
+                            measure::<T>(comm, test, op, root, bytes, args, target)
                         })?;
                         if lead {
                             println!("{}", report::row_line(&row));
@@ -293,7 +330,7 @@ pub fn run_rank(comm: &Communicator, test: Test, args: &PerfArgs) -> Result<u64>
         print!("{}", report::footer(&rows, args.check));
         report::write_outputs(test, args, comm, &rows)?;
     }
-    Ok(wrong)
+    Ok((rows, wrong))
 }
 
 /// Where a call's input and output live.
@@ -351,14 +388,26 @@ fn measure<T: Element + Default>(
     root: usize,
     bytes: usize,
     args: &PerfArgs,
+    target: &Target,
 ) -> Result<Row> {
     let (rank, n) = (comm.rank(), comm.size());
     let elem = std::mem::size_of::<T>();
     let (count, size) = test.shape(bytes, elem, n);
     let c = test.collective(root);
-    let mut modes = vec![run_mode::<T>(comm, test, c, op, count, size, false, args)?];
+    let call = Call {
+        test,
+        c,
+        op,
+        count,
+        size,
+    };
+    let mode = |in_place: bool| match target {
+        Target::Host => run_mode::<T>(comm, &call, in_place, args),
+        Target::Device(d, library) => d.run_mode::<T>(*library, &call, in_place, args),
+    };
+    let mut modes = vec![mode(false)?];
     if test.has_in_place() {
-        modes.push(run_mode::<T>(comm, test, c, op, count, size, true, args)?);
+        modes.push(mode(true)?);
     }
     let in_place = if modes.len() > 1 { modes.pop() } else { None };
     Ok(Row {
@@ -374,21 +423,28 @@ fn measure<T: Element + Default>(
     })
 }
 
-/// Checks (with `-c 1`) and times one mode of one size.
-#[allow(clippy::too_many_arguments)]
-fn run_mode<T: Element + Default>(
-    comm: &Communicator,
+/// One size of one test, as both kinds of memory run it.
+struct Call {
     test: Test,
     c: Collective,
     op: Option<ReduceOp>,
     count: usize,
     size: usize,
+}
+
+/// Checks (with `-c 1`) and times one mode of one size on host memory.
+fn run_mode<T: Element + Default>(
+    comm: &Communicator,
+    call: &Call,
     in_place: bool,
     args: &PerfArgs,
 ) -> Result<Measure> {
     let (rank, n) = (comm.rank(), comm.size());
+    let Call {
+        test, c, op, count, ..
+    } = *call;
     let mut bufs = Buffers::<T>::new(c, count, rank, n, in_place);
-    let call = |bufs: &mut Buffers<T>| -> Result<()> {
+    let run = |bufs: &mut Buffers<T>| -> Result<()> {
         let base = bufs.mem.as_mut_ptr();
         if test == Test::SendRecv {
             let (input, output) = bufs.mem.split_at_mut(bufs.output_at);
@@ -412,18 +468,44 @@ fn run_mode<T: Element + Default>(
     };
     let mut wrong = None;
     if args.check {
-        let data_op = test.reduces().then_some(op).flatten();
-        bufs.fill_input(&check::input::<T>(data_op, n, rank, bufs.in_len));
-        call(&mut bufs)?;
+        bufs.fill_input(&call.input::<T>(rank, n, bufs.in_len));
+        run(&mut bufs)?;
+        wrong = Some(call.count_wrong(comm, &mut bufs)?);
+    }
+    bufs.mem.fill(T::default());
+    let measured = call.time(comm, args, || run(&mut bufs), || Ok(()))?;
+    Ok(Measure { wrong, ..measured })
+}
+
+impl Call {
+    /// Rank `rank`'s input of `len` elements (values the check can verify).
+    fn input<T: Element>(&self, rank: usize, n: usize, len: usize) -> Vec<T> {
+        let data_op = self.test.reduces().then_some(self.op).flatten();
+        check::input::<T>(data_op, n, rank, len)
+    }
+
+    /// Wrong elements of the output in `bufs`, over all ranks.
+    fn count_wrong<T: Element + Default>(
+        &self,
+        comm: &Communicator,
+        bufs: &mut Buffers<T>,
+    ) -> Result<u64> {
+        let (rank, n) = (comm.rank(), comm.size());
         if rank == 0 && bufs.out_len > 0 && std::env::var_os(CORRUPT_HOOK).is_some() {
             // Test hook: make one element wrong so that the check must notice.
             let at = bufs.output_at;
             bufs.mem[at] = T::from_f64(bufs.mem[at].to_f64() + 1.0);
         }
-        let want = if test == Test::SendRecv {
-            Some(check::input::<T>(None, n, (rank + n - 1) % n, count))
+        let want = if self.test == Test::SendRecv {
+            Some(check::input::<T>(None, n, (rank + n - 1) % n, self.count))
         } else {
-            check::expected::<T>(c, op.unwrap_or(ReduceOp::Sum), count, n, rank)
+            check::expected::<T>(
+                self.c,
+                self.op.unwrap_or(ReduceOp::Sum),
+                self.count,
+                n,
+                rank,
+            )
         };
         let mine = want.map_or(0, |want| {
             want.iter()
@@ -433,31 +515,43 @@ fn run_mode<T: Element + Default>(
         });
         let mut all = [mine];
         comm.all_reduce_in_place(&mut all, ReduceOp::Sum)?;
-        wrong = Some(all[0]);
+        Ok(all[0])
     }
-    bufs.mem.fill(T::default());
-    let (iters, warmup) = args.iterations(size);
-    for _ in 0..warmup {
-        call(&mut bufs)?;
+
+    /// Times `run` (after warm-up; `finish` waits for what `run` only enqueued) and
+    /// combines the ranks' times as `-a` asks.
+    fn time(
+        &self,
+        comm: &Communicator,
+        args: &PerfArgs,
+        mut run: impl FnMut() -> Result<()>,
+        finish: impl Fn() -> Result<()>,
+    ) -> Result<Measure> {
+        let (iters, warmup) = args.iterations(self.size);
+        for _ in 0..warmup {
+            run()?;
+        }
+        finish()?;
+        comm.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iters {
+            run()?;
+        }
+        finish()?;
+        let mine = start.elapsed().as_secs_f64() / iters as f64;
+        let seconds = across_ranks(comm, mine, args.average)?;
+        let algbw = if seconds > 0.0 {
+            self.size as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
+        Ok(Measure {
+            time_us: seconds * 1e6,
+            algbw,
+            busbw: algbw * self.test.bus_factor(comm.size()),
+            wrong: None,
+        })
     }
-    comm.barrier()?;
-    let start = Instant::now();
-    for _ in 0..iters {
-        call(&mut bufs)?;
-    }
-    let mine = start.elapsed().as_secs_f64() / iters as f64;
-    let seconds = across_ranks(comm, mine, args.average)?;
-    let algbw = if seconds > 0.0 {
-        size as f64 / seconds / 1e9
-    } else {
-        0.0
-    };
-    Ok(Measure {
-        time_us: seconds * 1e6,
-        algbw,
-        busbw: algbw * test.bus_factor(n),
-        wrong,
-    })
 }
 
 /// Combines the ranks' times as `-a` asks.
