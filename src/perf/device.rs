@@ -48,6 +48,18 @@ struct UniqueId([c_char; 128]);
 type StreamHandle = *mut c_void;
 type Comm = *mut c_void;
 
+/// `ncclAllReduce`, `ncclBroadcast` and `ncclReduceScatter`: buffers, count, data type,
+/// then one int (the op, or the root), the communicator and the stream.
+type CountTypeAndInt = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    StreamHandle,
+) -> c_int;
+
 /// The NCCL functions the sweeps call, from NVIDIA's library loaded by path.
 struct NcclApi {
     version: unsafe extern "C" fn(*mut c_int) -> c_int,
@@ -55,24 +67,8 @@ struct NcclApi {
     init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
     destroy: unsafe extern "C" fn(Comm) -> c_int,
     error_string: unsafe extern "C" fn(c_int) -> *const c_char,
-    all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        StreamHandle,
-    ) -> c_int,
-    broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        StreamHandle,
-    ) -> c_int,
+    all_reduce: CountTypeAndInt,
+    broadcast: CountTypeAndInt,
     reduce: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -85,15 +81,7 @@ struct NcclApi {
     ) -> c_int,
     all_gather:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, StreamHandle) -> c_int,
-    reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        StreamHandle,
-    ) -> c_int,
+    reduce_scatter: CountTypeAndInt,
     send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, StreamHandle) -> c_int,
     recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, StreamHandle) -> c_int,
     group_start: unsafe extern "C" fn() -> c_int,
