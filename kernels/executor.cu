@@ -19,8 +19,8 @@
 
 // Data bytes of one LL line (4 data + 4 flag).
 #define FCCL_LL_DATA 4u
-// Every this many uses each slot's first use rewrites all its lines (as the host's LL
-// FIFOs, `transport::fifo`), so no stale flag can come round again.
+// Every this many positions each slot's first use rewrites all its lines (as the host's
+// LL FIFOs, `transport::fifo`), so no stale flag can come round again.
 #define FCCL_LL_CLEAN_PERIOD 0x80000000ull
 
 // What the threads of one block share.
@@ -35,12 +35,6 @@ struct FcclBlockState {
 FCCL_FN uint32_t fccl_payload(const FcclFifo& f) {
   if (f.protocol == FCCL_LL) return ((f.slot_bytes / 8u - 1u) * FCCL_LL_DATA) & ~63u;
   return f.slot_bytes;
-}
-
-FCCL_FN uint32_t fccl_log2(uint32_t x) {
-  uint32_t r = 0;
-  while ((1u << r) < x) r++;
-  return r;
 }
 
 // Whether the abort word is set (checked every FCCL_ABORT_CHECK_SPINS spins).
@@ -131,8 +125,9 @@ FCCL_FN void fccl_ll_send(const FcclFifo& f, uint64_t pos, uint32_t bytes, uint3
   uint64_t* lines = (uint64_t*)fccl_slot(f, pos);
   const uint32_t flag = fccl_ll_flag(pos);
   const uint32_t data_lines = (bytes + FCCL_LL_DATA - 1) / FCCL_LL_DATA;
-  // The first use of a slot in each clean period rewrites every line.
-  const bool clean = ((pos >> fccl_log2(f.slots)) % FCCL_LL_CLEAN_PERIOD) == 0;
+  // Each slot's first use in every clean period of positions rewrites all its lines
+  // (the host's rule: `head % 2^31 < slots`), so no line's flag is 2^32 positions old.
+  const bool clean = (pos % FCCL_LL_CLEAN_PERIOD) < f.slots;
   const uint32_t written = clean ? f.slot_bytes / 8u - 1u : data_lines;
   const uint32_t* stage = (const uint32_t*)f.stage;
   for (uint32_t i = tid; i < written; i += nthreads) {

@@ -22,6 +22,8 @@ use ferroccl::cuda::{self, nvrtc, work};
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::Kernel;
 use ferroccl::transport::Protocol;
+use ferroccl::transport::cuda_ipc;
+use ferroccl::transport::fifo::Geometry;
 use ferroccl::{DataType, ReduceOp};
 
 /// The first GPU and its architecture, or `None` after saying why there is none.
@@ -168,23 +170,22 @@ fn executor_all_reduce(ctx: &Arc<CudaContext>, arch: (u32, u32), n: usize, proto
             } else {
                 (e.channel, e.peer, r)
             };
+            let geometry = Geometry {
+                slots: slots as usize,
+                slot_bytes: slot_bytes as usize,
+                protocol,
+            };
             let mem = fifo_mem.entry(key).or_insert_with(|| {
-                s0.alloc_zeros::<u8>(256 + (slots * slot_bytes) as usize)
+                s0.alloc_zeros::<u8>(cuda_ipc::allocation_bytes(&geometry))
                     .unwrap()
             });
-            let base = mem.device_ptr(s0).0;
             let stage = s0.alloc_zeros::<u8>(slot_bytes as usize).unwrap();
-            ends.push(work::FcclFifo {
-                head: base as *mut u64,
-                tail: (base + 64) as *mut u64,
-                sizes: (base + 128) as *mut u32,
-                data: (base + 256) as *mut u8,
-                stage: stage.device_ptr(s0).0 as *mut u8,
-                slots,
-                slot_bytes,
-                protocol: u32::from(protocol == Protocol::LL),
-                pad: 0,
-            });
+            // The layout of transport::cuda_ipc, on memory of this test's own.
+            ends.push(cuda_ipc::fifo_at(
+                mem.device_ptr(s0).0,
+                &geometry,
+                stage.device_ptr(s0).0,
+            ));
             keep.push(stage);
         }
         let input = s0.clone_htod(&inputs[r]).unwrap();

@@ -117,7 +117,9 @@ fn enqueue_cuda(
         .extract()?;
     let held = &batch;
     let r = py.detach(|| {
-        ferroccl::cuda::bind_device(device)?;
+        // The tensors' device, current for this call only (torch's own current device
+        // is left as it was).
+        let _current = ferroccl::cuda::Context::primary(device)?.push()?;
         // SAFETY: the batch's calls were checked against the tensors' lengths by the
         // builder. The tensors are used on their current stream, in its order: torch's
         // caching allocator reuses their memory, once freed, only for work queued after

@@ -27,7 +27,7 @@ pub type Init = Box<dyn FnOnce() -> crate::Result<Communicator> + Send>;
 struct GroupState {
     depth: usize,
     inits: Vec<(Arc<CommHandle>, Init)>,
-    calls: Vec<(Arc<CommHandle>, RawCall, Option<Stream>)>,
+    calls: Vec<(Arc<CommHandle>, RawCall, Option<DeviceCall>)>,
     failed: Option<Failure>,
 }
 
@@ -50,18 +50,22 @@ pub fn queue_init(handle: Arc<CommHandle>, init: Init) {
     GROUP.with(|g| g.borrow_mut().inits.push((handle, init)));
 }
 
-/// A CUDA stream handle, as an address (device calls carry theirs).
+/// A CUDA stream handle, as an address.
 pub type Stream = usize;
 
-/// Queues a call if this thread is inside a group; returns whether it did. `stream`:
+/// What a call on device memory carries besides its buffers: its stream, and the CUDA
+/// context it was issued in (made current where the group runs it).
+pub type DeviceCall = (Stream, crate::cuda::Context);
+
+/// Queues a call if this thread is inside a group; returns whether it did. `device`:
 /// `Some` for a call on device memory.
-pub fn queue_call(handle: &Arc<CommHandle>, call: RawCall, stream: Option<Stream>) -> bool {
+pub fn queue_call(handle: &Arc<CommHandle>, call: RawCall, device: Option<DeviceCall>) -> bool {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return false;
         }
-        g.calls.push((handle.clone(), call, stream));
+        g.calls.push((handle.clone(), call, device));
         true
     })
 }
@@ -78,7 +82,7 @@ pub fn fail(failure: &Failure) {
 
 /// Calls of one communicator (with their streams, for device calls), moved to the
 /// thread that runs them.
-struct CommCalls(Arc<CommHandle>, Vec<RawCall>, Vec<Option<Stream>>);
+struct CommCalls(Arc<CommHandle>, Vec<RawCall>, Vec<Option<DeviceCall>>);
 
 // SAFETY: the raw buffers in the calls belong to the application, which keeps them valid
 // until ncclGroupEnd returns; `end` joins every thread before returning.
@@ -87,7 +91,7 @@ unsafe impl Send for CommCalls {}
 impl CommCalls {
     fn run(self) -> Result<(), Failure> {
         let comm = self.0.communicator()?;
-        let streams: Vec<Stream> = self.2.iter().flatten().copied().collect();
+        let streams: Vec<DeviceCall> = self.2.iter().flatten().copied().collect();
         if streams.is_empty() {
             // SAFETY: the application's buffers, valid until ncclGroupEnd returns (NCCL's
             // contract for grouped calls); they were checked when queued.
@@ -97,12 +101,15 @@ impl CommCalls {
             return Err(Failure::new(
                 super::INVALID_USAGE,
                 "a group's calls on one communicator run as one launch: they must all be \
-                 on device memory and name the same stream",
+                 on device memory and name the same stream (in one CUDA context)",
             ));
         }
+        let (stream, ctx) = streams[0];
+        // This thread runs the group for the caller's thread: in the caller's context.
+        let _current = ctx.push().map_err(|e| Failure::from_error(&e))?;
         // SAFETY: the application's device buffers, valid until the stream passes the
         // group (NCCL's contract); the stream is the application's.
-        unsafe { comm.enqueue_device(&self.1, streams[0] as *mut std::ffi::c_void) }
+        unsafe { comm.enqueue_device(&self.1, stream as *mut std::ffi::c_void) }
             .map_err(|e| Failure::from_error(&e))
     }
 }
@@ -167,14 +174,14 @@ pub fn end() -> Result<c_int, Failure> {
     // Calls, in order per communicator.
     let mut order: Vec<*const CommHandle> = Vec::new();
     let mut by_comm: HashMap<*const CommHandle, CommCalls> = HashMap::new();
-    for (handle, call, stream) in state.calls {
+    for (handle, call, device) in state.calls {
         let key = Arc::as_ptr(&handle);
         let calls = by_comm.entry(key).or_insert_with(|| {
             order.push(key);
             CommCalls(handle, Vec::new(), Vec::new())
         });
         calls.1.push(call);
-        calls.2.push(stream);
+        calls.2.push(device);
     }
     let mut jobs: Vec<CommCalls> = order.iter().filter_map(|k| by_comm.remove(k)).collect();
     let results: Vec<Result<(), Failure>> = if jobs.len() == 1 {

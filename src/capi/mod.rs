@@ -240,9 +240,22 @@ unsafe fn collective(
     }
     // Device memory (either buffer): enqueued on the stream. Host memory: run now, in
     // the stream's order.
-    let on_device = [sendbuff, recvbuff as *const c_void]
-        .iter()
-        .any(|&p| cuda::pointer_kind(p) == PointerKind::Device);
+    let kinds = [
+        ("sendbuff", sendbuff),
+        ("recvbuff", recvbuff as *const c_void),
+    ]
+    .map(|(name, p)| (name, p, cuda::pointer_kind(p)));
+    let on_device = kinds.iter().any(|k| k.2 == PointerKind::Device);
+    if on_device
+        && let Some((name, p, _)) = kinds
+            .iter()
+            .find(|k| !k.1.is_null() && k.2 != PointerKind::Device)
+    {
+        return Err(invalid(format!(
+            "{name} {p:?} is host memory while the other buffer is CUDA device memory: \
+             both must be on the device"
+        )));
+    }
     let op = match op {
         Some(op) => handle.reduce_op(op, dtype)?,
         None => ReduceOp::Sum,
@@ -259,7 +272,15 @@ unsafe fn collective(
         input: sendbuff as *const u8,
         output: recvbuff as *mut u8,
     };
-    if group::queue_call(&handle, call, on_device.then_some(stream as usize)) {
+    let device_call = if on_device {
+        // SAFETY: the caller's stream, as NCCL takes it.
+        let ctx =
+            unsafe { cuda::Context::of_stream(stream) }.map_err(|e| Failure::from_error(&e))?;
+        Some((stream as usize, ctx))
+    } else {
+        None
+    };
+    if group::queue_call(&handle, call, device_call) {
         return Ok(SUCCESS);
     }
     let comm = handle.communicator()?;

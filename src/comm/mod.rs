@@ -56,6 +56,8 @@ pub struct Communicator {
     abort_bell: Arc<Bell>,
     /// Set once a call failed while moving data, or on abort (the first reason kept).
     failure: Mutex<Option<String>>,
+    /// The device side's abort word, once there is a device side.
+    device_abort: OnceLock<crate::cuda::launch::AbortWord>,
 }
 
 struct State {
@@ -246,6 +248,7 @@ impl Communicator {
             boot,
             abort_bell: conns.abort_handle(),
             failure: Mutex::new(None),
+            device_abort: OnceLock::new(),
             state: Mutex::new(State {
                 conns,
                 seq: 0,
@@ -327,11 +330,11 @@ impl Communicator {
         // fails now rather than at its deadline.
         self.abort_bell.close(why);
         self.set_failure(reason);
-        let mut st = self.lock();
-        if let Some(device) = &st.device {
-            device.abort();
+        // The device's abort word needs no lock: a call waiting on the device holds it.
+        if let Some(word) = self.device_abort.get() {
+            word.set();
         }
-        st.conns.close(why);
+        self.lock().conns.close(why);
     }
 
     /// Destroys the communicator (`ncclCommDestroy`): waits for its asynchronous calls to
@@ -753,16 +756,33 @@ impl Communicator {
         } else {
             Plan::fuse(plans)?
         };
+        // The call's context: its stream's (or, for NULL, the thread's current one).
+        // SAFETY: the caller's stream.
+        let ctx = unsafe { crate::cuda::Context::of_stream(stream)? };
         if st.device.is_none() {
             let ll = crate::transport::fifo::Geometry::ll(
                 self.config.ll_slots,
                 self.config.ll_payload_bytes,
             );
-            st.device = Some(crate::cuda::launch::Launcher::new(
+            let launcher = crate::cuda::launch::Launcher::new(
                 self.rank,
+                ctx,
                 self.config.geometry(),
                 ll,
-            )?);
+                self.config.timeout,
+            )?;
+            let _ = self.device_abort.set(launcher.abort_word());
+            st.device = Some(launcher);
+        }
+        let device = st.device.as_ref().expect("made above");
+        if device.context() != ctx {
+            return Err(Error::invalid(format!(
+                "rank {}: device calls of one communicator must stay on one CUDA context \
+                 (device {} here, device {} before)",
+                self.rank,
+                ctx.device()?,
+                device.context().device()?
+            )));
         }
         let seq = st.seq;
         st.seq += 1;
@@ -787,10 +807,15 @@ impl Communicator {
     pub fn synchronize_device(&self) -> Result<()> {
         let deadline = Instant::now() + self.config.timeout;
         let mut st = self.lock();
-        match st.device.as_mut() {
+        let result = match st.device.as_mut() {
             Some(d) => d.wait_all(deadline),
             None => Ok(()),
+        };
+        if let Err(e) = &result {
+            // The FIFOs' counters are not to be trusted after a failed device call.
+            self.set_failure(e.to_string());
         }
+        result
     }
 
     fn typed<T: Element>(

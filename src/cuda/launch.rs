@@ -20,10 +20,13 @@
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::work::{self, FcclFifo, FcclLane, FcclOp, FcclStep, FcclWork};
-use super::{DeviceBuffer, Event, Function, MappedHostBuffer, copy_to_device_async, nvrtc};
+use super::{
+    Context, DeviceBuffer, Event, Function, MappedHostBuffer, copy_to_device_async, nvrtc,
+};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::reduce::Kernel;
@@ -158,12 +161,33 @@ impl Pools {
     }
 }
 
-/// One rank's device side: the executor, its FIFOs, its calls in flight.
+/// The word that tells a rank's executors to stop waiting; shared, so that an abort
+/// needs no lock a waiting call may hold.
+#[derive(Clone, Debug)]
+pub struct AbortWord(Arc<MappedHostBuffer>);
+
+impl AbortWord {
+    /// Sets the word: every running executor of the rank stops waiting (its lanes report
+    /// `FCCL_STATUS_ABORTED`), and later launches stop at once.
+    pub fn set(&self) {
+        // SAFETY: a u32 of page-locked memory the device only reads.
+        unsafe { std::ptr::write_volatile(self.0.host() as *mut u32, 1) };
+    }
+
+    fn device(&self) -> u64 {
+        self.0.device()
+    }
+}
+
+/// One rank's device side: the executor, its FIFOs, its calls in flight, all in one
+/// CUDA context (the first call's), which every later call must use too.
 pub struct Launcher {
     rank: usize,
+    ctx: Context,
+    timeout: Duration,
     executor: Function,
     fifos: DeviceFifos,
-    abort_word: MappedHostBuffer,
+    abort_word: AbortWord,
     pending: VecDeque<Pending>,
     pools: Pools,
 }
@@ -178,26 +202,47 @@ impl std::fmt::Debug for Launcher {
 }
 
 impl Launcher {
-    /// The device side of `rank`, on the current context's device, with FIFOs shaped as
-    /// the host's (`simple`, `ll`). Compiles (or takes from the cache) and loads the
-    /// executor.
-    pub fn new(rank: usize, simple: Geometry, ll: Geometry) -> Result<Self> {
+    /// The device side of `rank` in context `ctx`, with FIFOs shaped as the host's
+    /// (`simple`, `ll`); `timeout` bounds the wait for peers and for calls in flight when
+    /// it is dropped. Compiles (or takes from the cache) and loads the executor.
+    pub fn new(
+        rank: usize,
+        ctx: Context,
+        simple: Geometry,
+        ll: Geometry,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let _current = ctx.push()?;
         Ok(Launcher {
             rank,
+            ctx,
+            timeout,
             executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
             fifos: DeviceFifos::new(rank, simple, ll)?,
-            abort_word: MappedHostBuffer::zeroed(4)?,
+            abort_word: AbortWord(Arc::new(MappedHostBuffer::zeroed(4)?)),
             pending: VecDeque::new(),
             pools: Pools::default(),
         })
     }
 
-    /// Enqueues `plan` on `stream` and returns without waiting for it.
+    /// The context the launcher's memory and calls belong to.
+    pub fn context(&self) -> Context {
+        self.ctx
+    }
+
+    /// The rank's abort word (see [`AbortWord::set`]).
+    pub fn abort_word(&self) -> AbortWord {
+        self.abort_word.clone()
+    }
+
+    /// Enqueues `plan` on `stream` and returns without waiting for it. The launch waits
+    /// (on the device) for the rank's previous one, whatever stream that was on: they use
+    /// the same FIFOs.
     ///
     /// # Safety
     /// Every region of the plan lies inside the device buffers `ops` name, which stay
     /// valid and are not otherwise used until the stream has passed this call; `stream`
-    /// is a stream of the current context (or NULL).
+    /// is a stream of the launcher's context (or NULL).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn enqueue(
         &mut self,
@@ -209,6 +254,7 @@ impl Launcher {
         op: &'static str,
         seq: u64,
     ) -> Result<()> {
+        let _current = self.ctx.push()?;
         self.poll()?;
         if ops.len() != plan.ops.len() {
             return Err(Error::invalid(format!(
@@ -223,6 +269,10 @@ impl Launcher {
             return Ok(());
         }
         let fifos = self.fifos.connect(&laid.fifos, store, connect_timeout)?;
+        if let Some(previous) = self.pending.back() {
+            // SAFETY: the caller's stream, of this context.
+            unsafe { previous.event.make_wait(stream)? };
+        }
         let mut scratch = Vec::new();
         let mut fccl_ops = Vec::with_capacity(ops.len());
         for (i, o) in ops.iter().enumerate() {
@@ -285,6 +335,7 @@ impl Launcher {
     /// Releases the calls that have finished; the first failed lane among them is the
     /// error.
     pub fn poll(&mut self) -> Result<()> {
+        let _current = self.ctx.push()?;
         while let Some(p) = self.pending.front() {
             if !p.event.done()? {
                 break;
@@ -300,6 +351,7 @@ impl Launcher {
     /// Waits for every call in flight; past `deadline` the executor is told to stop
     /// waiting on its peers and the call fails with a timeout.
     pub fn wait_all(&mut self, deadline: Instant) -> Result<()> {
+        let _current = self.ctx.push()?;
         while let Some(p) = self.pending.front() {
             if !p.event.done()? {
                 if Instant::now() >= deadline {
@@ -330,8 +382,7 @@ impl Launcher {
     /// Tells every running executor of this rank to stop waiting (they report
     /// `FCCL_STATUS_ABORTED`); later launches stop at once too.
     pub fn abort(&self) {
-        // SAFETY: a u32 of page-locked memory the device only reads.
-        unsafe { std::ptr::write_volatile(self.abort_word.host() as *mut u32, 1) };
+        self.abort_word.set();
     }
 
     /// Whether calls are in flight.
@@ -369,12 +420,20 @@ impl Launcher {
 }
 
 impl Drop for Launcher {
-    /// Memory of calls in flight must outlive them: wait for them (telling the device to
-    /// stop waiting on peers after a while, so a dead peer cannot hold this forever).
+    /// Memory of calls in flight must outlive them: wait for them (for the
+    /// communicator's timeout; then the device is told to stop waiting on peers, so a
+    /// dead peer cannot hold this forever), then free everything in the launcher's
+    /// context.
     fn drop(&mut self) {
-        let _ = self.wait_all(Instant::now() + Duration::from_secs(10));
+        let Ok(_current) = self.ctx.push() else {
+            return;
+        };
+        let _ = self.wait_all(Instant::now() + self.timeout);
         for p in &self.pending {
             let _ = p.event.wait();
         }
+        self.pending.clear();
+        self.pools = Pools::default();
+        self.fifos.release();
     }
 }

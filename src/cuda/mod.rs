@@ -245,7 +245,13 @@ const RUNTIME_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
-    "cuMemcpyHtoD_v2",
+    "cuStreamWaitEvent",
+    "cuStreamGetCtx",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuMemsetD8Async",
+    "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
     "cuMemcpyDtoH_v2",
 ];
 
@@ -292,19 +298,132 @@ pub fn runtime() -> Result<usize> {
 }
 
 /// Makes device `ordinal`'s primary context (the one the CUDA runtime, and so torch,
-/// uses) current on this thread.
+/// uses) current on this thread, for threads of ferroccl's own (the perf tools' ranks).
 pub fn bind_device(ordinal: usize) -> Result<()> {
-    runtime()?;
-    let mut dev: sys::CUdevice = 0;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the runtime symbols are present; each call writes one handle.
+    let ctx = Context::primary(ordinal)?;
+    // SAFETY: a live context handle.
+    unsafe { check(sys::cuCtxSetCurrent(ctx.0), "cuCtxSetCurrent") }
+}
+
+/// A CUDA context (a handle; the context belongs to whoever made it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Context(sys::CUcontext);
+
+// SAFETY: a context handle may be made current on any thread of the process.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// The context current on this thread (after [`runtime`] made sure there is one).
+    pub fn current() -> Result<Self> {
+        runtime()?;
+        // SAFETY: NULL asks for the current context.
+        unsafe { Self::of_stream(std::ptr::null_mut()) }
+    }
+
+    /// Device `ordinal`'s primary context (retained: it lives as long as the process).
+    pub fn primary(ordinal: usize) -> Result<Self> {
+        runtime()?;
+        let mut dev: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the runtime symbols are present; each call writes one handle.
+        unsafe {
+            check(sys::cuDeviceGet(&mut dev, ordinal as c_int), "cuDeviceGet")?;
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+        }
+        Ok(Context(ctx))
+    }
+
+    /// The context work on `stream` runs in: the stream's own for a stream, the one
+    /// current on this thread for NULL (the legacy default stream), as NCCL takes it.
+    ///
+    /// # Safety
+    /// `stream` is a CUDA stream of this process (or NULL).
+    pub unsafe fn of_stream(stream: *mut c_void) -> Result<Self> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the driver is loaded by whoever calls (runtime() checked the symbols);
+        // the call writes one handle.
+        unsafe {
+            if stream.is_null() {
+                check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
+            } else {
+                check(
+                    sys::cuStreamGetCtx(stream as sys::CUstream, &mut ctx),
+                    "cuStreamGetCtx",
+                )?;
+            }
+        }
+        if ctx.is_null() {
+            return Err(Error::Cuda {
+                what: "no CUDA context is current on this thread (call cudaSetDevice first)".into(),
+            });
+        }
+        Ok(Context(ctx))
+    }
+
+    /// Makes this context current on this thread until the guard is dropped (then the
+    /// thread's previous context is current again).
+    pub fn push(&self) -> Result<ContextGuard> {
+        // SAFETY: a live context handle; popped by the guard.
+        unsafe { check(sys::cuCtxPushCurrent_v2(self.0), "cuCtxPushCurrent")? };
+        Ok(ContextGuard(()))
+    }
+
+    /// The device this context is on.
+    pub fn device(&self) -> Result<usize> {
+        let _g = self.push()?;
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: this context is current; the call writes one int.
+        unsafe { check(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice")? };
+        Ok(dev as usize)
+    }
+}
+
+/// A context made current by [`Context::push`]; popped on drop.
+#[derive(Debug)]
+pub struct ContextGuard(());
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context this guard pushed.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut ctx) };
+    }
+}
+
+/// Lets the current context's kernels reach memory of device `peer` (in this process),
+/// as ranks of one process on different GPUs need; a no-op for the same device.
+pub fn enable_peer_access(peer: usize) -> Result<()> {
+    let here = runtime()?;
+    if here == peer {
+        return Ok(());
+    }
+    let mut can: c_int = 0;
+    let peer_ctx = Context::primary(peer)?;
+    // SAFETY: the runtime symbols are present; the calls take handles and write an int.
     unsafe {
-        check(sys::cuDeviceGet(&mut dev, ordinal as c_int), "cuDeviceGet")?;
         check(
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-            "cuDevicePrimaryCtxRetain",
+            sys::cuDeviceCanAccessPeer(&mut can, here as sys::CUdevice, peer as sys::CUdevice),
+            "cuDeviceCanAccessPeer",
         )?;
-        check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        if can == 0 {
+            return Err(Error::Cuda {
+                what: format!(
+                    "GPU {here} cannot access GPU {peer}'s memory (no P2P between them); \
+                     ranks of one process on these two GPUs cannot share FIFOs"
+                ),
+            });
+        }
+        match sys::cuCtxEnablePeerAccess(peer_ctx.0, 0) {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            rc => check(rc, "cuCtxEnablePeerAccess"),
+        }
     }
 }
 
@@ -314,18 +433,28 @@ pub fn bind_device(ordinal: usize) -> Result<()> {
 pub struct DeviceBuffer {
     ptr: u64,
     bytes: usize,
+    /// Made current to free it (the dropping thread may have no context).
+    ctx: Context,
 }
 
 impl DeviceBuffer {
-    /// `bytes` of zeroed device memory on the current context's device.
+    /// `bytes` of device memory on the current context's device, zeroed before this
+    /// returns. (`cuMemsetD8` would return before the memory is zero and run on the
+    /// legacy stream: a peer could write a FIFO it was given before the zeroing lands.
+    /// The memset runs on a private stream and is waited for.)
     pub fn zeroed(bytes: usize) -> Result<Self> {
-        runtime()?;
+        let ctx = Context::current()?;
         let mut ptr: sys::CUdeviceptr = 0;
+        let stream = Stream::new()?;
         // SAFETY: the runtime symbols are present and a context is current.
         unsafe {
             check(sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)), "cuMemAlloc")?;
-            let b = DeviceBuffer { ptr, bytes };
-            check(sys::cuMemsetD8_v2(ptr, 0, bytes.max(1)), "cuMemsetD8")?;
+            let b = DeviceBuffer { ptr, bytes, ctx };
+            check(
+                sys::cuMemsetD8Async(ptr, 0, bytes.max(1), stream.0),
+                "cuMemsetD8Async",
+            )?;
+            stream.synchronize()?;
             Ok(b)
         }
     }
@@ -361,8 +490,9 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemAlloc and freed once. Errors (a context already
-        // destroyed at exit) leave nothing to do.
+        let _g = self.ctx.push();
+        // SAFETY: allocated by cuMemAlloc and freed once, in its context. Errors (a
+        // context already destroyed at exit) leave nothing to do.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
     }
 }
@@ -371,13 +501,14 @@ impl Drop for DeviceBuffer {
 #[derive(Debug)]
 pub struct ImportedBuffer {
     ptr: u64,
+    ctx: Context,
 }
 
 impl ImportedBuffer {
     /// Maps the memory of `handle` (with peer access enabled lazily when it lives on
     /// another GPU).
     pub fn open(handle: &[u8; 64]) -> Result<Self> {
-        runtime()?;
+        let ctx = Context::current()?;
         let h = sys::CUipcMemHandle {
             reserved: handle.map(|b| b as std::ffi::c_char),
         };
@@ -394,7 +525,7 @@ impl ImportedBuffer {
                 "cuIpcOpenMemHandle",
             )?;
         }
-        Ok(ImportedBuffer { ptr })
+        Ok(ImportedBuffer { ptr, ctx })
     }
 
     /// The device address in this process.
@@ -405,7 +536,8 @@ impl ImportedBuffer {
 
 impl Drop for ImportedBuffer {
     fn drop(&mut self) {
-        // SAFETY: mapped by cuIpcOpenMemHandle and unmapped once.
+        let _g = self.ctx.push();
+        // SAFETY: mapped by cuIpcOpenMemHandle and unmapped once, in its context.
         let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
     }
 }
@@ -417,16 +549,20 @@ pub struct MappedHostBuffer {
     host: *mut u8,
     device: u64,
     bytes: usize,
+    ctx: Context,
 }
 
 // SAFETY: the buffer is plain memory; who reads and writes it when is the user's
 // (ferroccl's launcher's) business, through volatile or atomic accesses.
 unsafe impl Send for MappedHostBuffer {}
+// SAFETY: sharing hands out the same two addresses; the accesses through them are
+// volatile (the abort word, lane statuses), as above.
+unsafe impl Sync for MappedHostBuffer {}
 
 impl MappedHostBuffer {
     /// `bytes` of zeroed page-locked host memory, mapped for the device.
     pub fn zeroed(bytes: usize) -> Result<Self> {
-        runtime()?;
+        let ctx = Context::current()?;
         let mut host: *mut c_void = std::ptr::null_mut();
         let mut device: sys::CUdeviceptr = 0;
         // SAFETY: the runtime symbols are present and a context is current.
@@ -440,6 +576,7 @@ impl MappedHostBuffer {
                 host: host as *mut u8,
                 device: 0,
                 bytes,
+                ctx,
             };
             check(
                 sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
@@ -472,14 +609,15 @@ impl MappedHostBuffer {
 
 impl Drop for MappedHostBuffer {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc and freed once.
+        let _g = self.ctx.push();
+        // SAFETY: allocated by cuMemHostAlloc and freed once, in its context.
         let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
     }
 }
 
 /// A CUDA event (no timing), destroyed on drop.
 #[derive(Debug)]
-pub struct Event(sys::CUevent);
+pub struct Event(sys::CUevent, Context);
 
 // SAFETY: CUDA events may be used from any thread of the process.
 unsafe impl Send for Event {}
@@ -490,7 +628,7 @@ impl Event {
     /// # Safety
     /// `stream` is a CUDA stream of the current context (or NULL).
     pub unsafe fn record(stream: *mut c_void) -> Result<Self> {
-        runtime()?;
+        let ctx = Context::current()?;
         let mut e: sys::CUevent = std::ptr::null_mut();
         // SAFETY: the runtime symbols are present; `stream` is the caller's.
         unsafe {
@@ -501,7 +639,7 @@ impl Event {
                 ),
                 "cuEventCreate",
             )?;
-            let event = Event(e);
+            let event = Event(e, ctx);
             check(
                 sys::cuEventRecord(e, stream as sys::CUstream),
                 "cuEventRecord",
@@ -521,6 +659,20 @@ impl Event {
         }
     }
 
+    /// Makes `stream` wait (on the device) for the work before the event.
+    ///
+    /// # Safety
+    /// `stream` is a CUDA stream of the current context (or NULL).
+    pub unsafe fn make_wait(&self, stream: *mut c_void) -> Result<()> {
+        // SAFETY: a live event; the caller's stream.
+        unsafe {
+            check(
+                sys::cuStreamWaitEvent(stream as sys::CUstream, self.0, 0),
+                "cuStreamWaitEvent",
+            )
+        }
+    }
+
     /// Blocks until the work before the event has finished.
     pub fn wait(&self) -> Result<()> {
         // SAFETY: a live event.
@@ -530,7 +682,8 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // SAFETY: created by cuEventCreate and destroyed once.
+        let _g = self.1.push();
+        // SAFETY: created by cuEventCreate and destroyed once, in its context.
         let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
     }
 }
@@ -546,13 +699,16 @@ unsafe impl Sync for Function {}
 
 impl Function {
     /// Loads `source`, compiled for the current device's architecture, and returns its
-    /// entry point `entry`. Each (source, entry, device) is loaded once per process and
+    /// entry point `entry`. Each (source, entry, context) is loaded once per process and
     /// stays loaded.
     pub fn load(source: &nvrtc::KernelSource, entry: &str) -> Result<Self> {
         type Loaded = Mutex<HashMap<(&'static str, String, usize), Function>>;
         static LOADED: OnceLock<Loaded> = OnceLock::new();
         let device = runtime()?;
-        let key = (source.name, entry.to_string(), device);
+        // A module belongs to a context: keyed by the current one.
+        // SAFETY: NULL asks for the current context.
+        let ctx = unsafe { Context::of_stream(std::ptr::null_mut())? };
+        let key = (source.name, entry.to_string(), ctx.0 as usize);
         let loaded = LOADED.get_or_init(Default::default);
         let mut loaded = loaded.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = loaded.get(&key) {
@@ -618,7 +774,7 @@ impl Function {
 /// A CUDA stream that does not synchronise with the legacy default stream, destroyed on
 /// drop.
 #[derive(Debug)]
-pub struct Stream(sys::CUstream);
+pub struct Stream(sys::CUstream, Context);
 
 // SAFETY: a stream handle may be used from any thread of the process.
 unsafe impl Send for Stream {}
@@ -628,7 +784,7 @@ unsafe impl Sync for Stream {}
 impl Stream {
     /// A new non-blocking stream on the current context.
     pub fn new() -> Result<Self> {
-        runtime()?;
+        let ctx = Context::current()?;
         let mut s: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the runtime symbols are present and a context is current.
         unsafe {
@@ -640,7 +796,7 @@ impl Stream {
                 "cuStreamCreate",
             )?;
         }
-        Ok(Stream(s))
+        Ok(Stream(s, ctx))
     }
 
     /// The handle, as the C APIs take it.
@@ -657,26 +813,14 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: created by cuStreamCreate and destroyed once.
+        let _g = self.1.push();
+        // SAFETY: created by cuStreamCreate and destroyed once, in its context.
         let _ = unsafe { sys::cuStreamDestroy_v2(self.0) };
     }
 }
 
-/// Copies `bytes` from host memory to device memory and waits for the copy.
-///
-/// # Safety
-/// `src` is valid for reads of `bytes`; `dst` is device memory of at least `bytes`.
-pub unsafe fn copy_to_device(dst: u64, src: *const u8, bytes: usize) -> Result<()> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        check(
-            sys::cuMemcpyHtoD_v2(dst, src as *const c_void, bytes),
-            "cuMemcpyHtoD",
-        )
-    }
-}
-
-/// Copies `bytes` from device memory to host memory and waits for the copy.
+/// Copies `bytes` from device memory to host memory and waits for the copy (which
+/// runs on the legacy stream: synchronise the streams that wrote `src` first).
 ///
 /// # Safety
 /// `src` is device memory of at least `bytes`; `dst` is valid for writes of `bytes`.

@@ -372,8 +372,18 @@ impl<'a> DeviceRank<'a> {
         let mut wrong = None;
         if args.check {
             bufs.fill_input(&call.input::<T>(rank, n, bufs.in_len));
-            // SAFETY: both hold `bytes`.
-            unsafe { cuda::copy_to_device(mem.ptr(), bufs.mem.as_ptr() as *const u8, bytes)? };
+            // In the stream's order (a plain cuMemcpyHtoD would run on the legacy
+            // stream, which this non-blocking one does not wait for), then waited for.
+            // SAFETY: both hold `bytes`; the host vector outlives the wait below.
+            unsafe {
+                cuda::copy_to_device_async(
+                    mem.ptr(),
+                    bufs.mem.as_ptr() as *const u8,
+                    bytes,
+                    stream,
+                )?
+            };
+            self.stream.synchronize()?;
             run()?;
             finish()?;
             // SAFETY: both hold `bytes`.

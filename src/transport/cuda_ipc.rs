@@ -7,15 +7,18 @@
 //! handle in the communicator's store; the sender maps it (`cuIpcOpenMemHandle`, peer
 //! access enabled lazily when the GPUs differ) and its executor writes the slots straight
 //! into the receiver's memory (P2P writes; reads stay local). Ranks of one process use
-//! the receiver's pointer as it is (CUDA cannot open its own IPC handles). Several ranks
-//! may share one GPU.
+//! the receiver's pointer as it is (CUDA cannot open its own IPC handles), with peer
+//! access enabled when their GPUs differ. Several ranks may share one GPU (each on a
+//! stream of its own, not the legacy default stream: their kernels must run at once).
 //!
 //! Connections are made on first use, for the FIFO ends a plan names: every rank first
 //! publishes the FIFOs it receives on, then maps those it sends on, so two ranks that
 //! both wait for the other's handle cannot deadlock.
 //!
-//! Layout of one FIFO's allocation (bytes): `head` at 0, `tail` at 64, per-slot byte
-//! counts from 128, slots from [`DATA_OFFSET`].
+//! Layout of one FIFO's allocation (bytes): `head` at 0, `tail` at 128, per-slot byte
+//! counts from 256, slots from [`DATA_OFFSET`]. An LL sender keeps its `head` (its own
+//! position, which an LL receiver never reads) in its own memory instead: no write of
+//! its ever lands in the receiver's memory after the receiver has what it needs.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -30,24 +33,27 @@ use super::fifo::Geometry;
 
 /// Where `head` lies in a FIFO's allocation.
 pub const HEAD_OFFSET: u64 = 0;
-/// Where `tail` lies.
-pub const TAIL_OFFSET: u64 = 64;
+/// Where `tail` lies (a GPU cache line, 128 bytes, away from `head`).
+pub const TAIL_OFFSET: u64 = 128;
 /// Where the per-slot byte counts start.
-pub const SIZES_OFFSET: u64 = 128;
+pub const SIZES_OFFSET: u64 = 256;
 /// Where the slots start.
 pub const DATA_OFFSET: u64 = 4096;
 /// Most slots a device FIFO may have (their counts must fit before the data).
 pub const MAX_SLOTS: usize = ((DATA_OFFSET - SIZES_OFFSET) / 4) as usize;
 
 const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIPC";
-/// Bytes of a published FIFO: magic, pid, device address, IPC handle.
-const EXPORT_BYTES: usize = 8 + 4 + 8 + 64;
+/// Bytes of a published FIFO: magic, pid, device ordinal, device address, IPC handle.
+const EXPORT_BYTES: usize = 8 + 4 + 4 + 8 + 64;
 
 /// A FIFO as its receiver publishes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Export {
     /// The receiver's process id (a sender in the same process uses `ptr` directly).
     pub pid: u32,
+    /// The receiver's GPU (a sender of the same process on another GPU enables peer
+    /// access to it).
+    pub device: u32,
     /// The allocation's device address in the receiver's process.
     pub ptr: u64,
     /// Its CUDA IPC handle.
@@ -60,6 +66,7 @@ impl Export {
         let mut out = Vec::with_capacity(EXPORT_BYTES);
         out.extend_from_slice(EXPORT_MAGIC);
         out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&self.device.to_le_bytes());
         out.extend_from_slice(&self.ptr.to_le_bytes());
         out.extend_from_slice(&self.handle);
         out
@@ -75,10 +82,11 @@ impl Export {
             )));
         }
         let mut handle = [0u8; 64];
-        handle.copy_from_slice(&bytes[20..84]);
+        handle.copy_from_slice(&bytes[24..88]);
         Ok(Export {
             pid: u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")),
-            ptr: u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes")),
+            device: u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")),
+            ptr: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
             handle,
         })
     }
@@ -156,6 +164,13 @@ impl DeviceFifos {
         }
     }
 
+    /// Frees every FIFO and staging buffer (the executors must be done with them).
+    pub fn release(&mut self) {
+        self.connected.clear();
+        self.imported.clear();
+        self.owned.clear();
+    }
+
     /// The executor's view of each of `ends`, connecting those not yet connected through
     /// `store` (waiting at most `timeout` for a peer's handle).
     pub fn connect(
@@ -175,6 +190,7 @@ impl DeviceFifos {
             let stage = DeviceBuffer::zeroed(g.payload())?;
             let export = Export {
                 pid: std::process::id(),
+                device: crate::cuda::runtime()? as u32,
                 ptr: fifo.ptr(),
                 handle: fifo.ipc_handle()?,
             };
@@ -195,6 +211,9 @@ impl DeviceFifos {
             store.wait(&[&k], timeout)?;
             let export = Export::decode(&k, &store.get(&k)?)?;
             let base = if export.pid == std::process::id() {
+                // Same process: the receiver's pointer, reachable once peer access to
+                // its GPU is on (IPC handles cannot be opened in their own process).
+                crate::cuda::enable_peer_access(export.device as usize)?;
                 export.ptr
             } else {
                 let mapped = ImportedBuffer::open(&export.handle)?;
@@ -202,8 +221,13 @@ impl DeviceFifos {
                 self.imported.push(mapped);
                 ptr
             };
-            let stage = DeviceBuffer::zeroed(g.payload())?;
-            self.connected.insert(*end, fifo_at(base, &g, stage.ptr()));
+            // Staging, and after it (64-byte aligned) an LL sender's own position.
+            let stage = DeviceBuffer::zeroed(g.payload() + 64)?;
+            let mut fifo = fifo_at(base, &g, stage.ptr());
+            if g.protocol == Protocol::LL {
+                fifo.head = (stage.ptr() + g.payload() as u64) as *mut u64;
+            }
+            self.connected.insert(*end, fifo);
             self.owned.push(stage);
         }
         Ok(ends.iter().map(|e| self.connected[e]).collect())
@@ -218,6 +242,7 @@ mod tests {
     fn an_export_round_trips_and_garbage_is_named() {
         let e = Export {
             pid: 4242,
+            device: 3,
             ptr: 0x7f00_0000_1000,
             handle: std::array::from_fn(|i| i as u8),
         };
@@ -232,8 +257,8 @@ mod tests {
         let g = Geometry::ll(8, 4096);
         let f = fifo_at(0x10000, &g, 0x90000);
         assert_eq!(f.head as u64, 0x10000);
-        assert_eq!(f.tail as u64, 0x10040);
-        assert_eq!(f.sizes as u64, 0x10080);
+        assert_eq!(f.tail as u64, 0x10080);
+        assert_eq!(f.sizes as u64, 0x10100);
         assert_eq!(f.data as u64, 0x11000);
         assert_eq!((f.slots, f.protocol), (8, 1));
         assert_eq!(allocation_bytes(&g), 4096 + 8 * g.slot_bytes);
