@@ -222,9 +222,15 @@ impl Nccl {
                     a.check((a.group_start)(), "ncclGroupStart")?;
                     let next = ((rank + 1) % n) as c_int;
                     let prev = ((rank + n - 1) % n) as c_int;
-                    a.check((a.send)(i, count, dt, next, self.comm, stream), "ncclSend")?;
-                    a.check((a.recv)(o, count, dt, prev, self.comm, stream), "ncclRecv")?;
-                    (a.group_end)()
+                    let queued = a
+                        .check((a.send)(i, count, dt, next, self.comm, stream), "ncclSend")
+                        .and_then(|()| {
+                            a.check((a.recv)(o, count, dt, prev, self.comm, stream), "ncclRecv")
+                        });
+                    // The group is closed whatever happened inside it.
+                    let end = (a.group_end)();
+                    queued?;
+                    end
                 }
                 other => {
                     return Err(Error::invalid(format!(
