@@ -350,6 +350,9 @@ def ddp(backend: str, steps: str = "10") -> None:
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     w = weights(net.module)
+    # Every rank done with every collective before any tears its group down (Gloo has
+    # aborted a rank with "terminate called without an active exception" otherwise).
+    dist.barrier()
     dist.destroy_process_group()
     emit({"weights": w})
 
@@ -370,6 +373,7 @@ def fsdp(backend: str, steps: str = "6") -> None:
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     full = [p.full_tensor().detach().double().flatten().tolist() for p in net.parameters()]
+    dist.barrier()
     dist.destroy_process_group()
     emit({"weights": full})
 

@@ -157,7 +157,7 @@ def test_wrong_arguments_raise_invalid_argument_errors() -> None:
     assert "root 5" in msgs[2]
     assert "bitwise" in msgs[3]
     assert "writable" in msgs[4]
-    assert "meta tensor" in msgs[7] and "CPU memory only" in msgs[7]
+    assert "meta tensor" in msgs[7] and "CPU memory" in msgs[7] and "CUDA tensors" in msgs[7]
 
 
 def test_unique_id_round_trips() -> None:
