@@ -173,44 +173,38 @@ struct FcclMoveSlice {
         (op.redop == FCCL_OP_PREMULSUM && s->src.buf != FCCL_BUF_INPUT) ? FCCL_OP_SUM : op.redop;
     const bool pre_src = op.reducing && s->src.buf == FCCL_BUF_INPUT;
     switch (s->kind) {
-      case FCCL_SEND: {
-        const T* src = (const T*)fccl_addr(*w, s->src, skip, E);
-        if (pre_src) fccl_pre<T>((T*)o, src, n, op.redop, op.scalar, tid, nthreads);
-        else fccl_copy(o, (const char*)src, bytes, tid, nthreads);
+      case FCCL_SEND:
+      case FCCL_COPY_SEND: {
+        const char* src = fccl_addr(*w, s->src, skip, E);
+        if (pre_src) fccl_pre<T>((T*)o, (const T*)src, n, op.redop, op.scalar, tid, nthreads);
+        else fccl_copy(o, src, bytes, tid, nthreads);
+        char* dst = s->kind == FCCL_COPY_SEND ? fccl_addr(*w, s->dst, skip, E) : nullptr;
+        if (dst != nullptr && dst != src) {
+          __syncthreads();
+          fccl_copy(dst, o, bytes, tid, nthreads);
+        }
         break;
       }
       case FCCL_RECV:
         fccl_copy(fccl_addr(*w, s->dst, skip, E), x, bytes, tid, nthreads);
         break;
-      case FCCL_COPY_SEND: {
-        const char* src = fccl_addr(*w, s->src, skip, E);
-        char* dst = fccl_addr(*w, s->dst, skip, E);
-        if (pre_src) fccl_pre<T>((T*)o, (const T*)src, n, op.redop, op.scalar, tid, nthreads);
-        else fccl_copy(o, src, bytes, tid, nthreads);
-        __syncthreads();
-        fccl_copy(dst, o, bytes, tid, nthreads);
-        break;
-      }
       case FCCL_RECV_REDUCE_SEND:
         fccl_reduce<T>((T*)o, (const T*)x, (const T*)fccl_addr(*w, s->src, skip, E), n, operand_op,
                        op.scalar, tid, nthreads);
         break;
-      case FCCL_RECV_REDUCE_COPY: {
-        T* dst = (T*)fccl_addr(*w, s->dst, skip, E);
-        fccl_reduce<T>(dst, (const T*)x, (const T*)fccl_addr(*w, s->src, skip, E), n, operand_op,
-                       op.scalar, tid, nthreads);
-        __syncthreads();
-        if (s->post) fccl_post<T>(dst, n, op.redop, op.nranks, tid, nthreads);
-        break;
-      }
+      case FCCL_RECV_REDUCE_COPY:
       case FCCL_RECV_REDUCE_COPY_SEND: {
+        // The result goes to dst; a copy that is also sent is final (post-operation).
+        const bool sends = s->kind == FCCL_RECV_REDUCE_COPY_SEND;
         T* dst = (T*)fccl_addr(*w, s->dst, skip, E);
         fccl_reduce<T>(dst, (const T*)x, (const T*)fccl_addr(*w, s->src, skip, E), n, operand_op,
                        op.scalar, tid, nthreads);
         __syncthreads();
-        fccl_post<T>(dst, n, op.redop, op.nranks, tid, nthreads);
-        __syncthreads();
-        fccl_copy(o, (const char*)dst, bytes, tid, nthreads);
+        if (sends || s->post) fccl_post<T>(dst, n, op.redop, op.nranks, tid, nthreads);
+        if (sends) {
+          __syncthreads();
+          fccl_copy(o, (const char*)dst, bytes, tid, nthreads);
+        }
         break;
       }
       case FCCL_RECV_COPY_SEND:

@@ -9,7 +9,7 @@
 //!   GPU (one stream per rank, FIFOs in device memory, both protocols) and every rank's
 //!   result equals the host engine's, bit for bit.
 
-// `nvrtc_from_pypi` and `ops` of the shared helpers are used here.
+// Some of the shared helpers are used here.
 #[allow(unused_imports)]
 mod common;
 
@@ -53,12 +53,7 @@ fn module(
 fn bytes_of(dtype: DataType, n: usize, salt: u64) -> Vec<u8> {
     let mut out = vec![0u8; n * dtype.size()];
     for (i, e) in out.chunks_mut(dtype.size()).enumerate() {
-        let v = ((i as u64 * 7 + salt) % 11) as f64 - 5.0;
-        ferroccl::with_element_type!(dtype, T => {
-            let x = <T as ferroccl::Element>::from_f64(v);
-            // SAFETY: T is a plain value of dtype.size() bytes.
-            e.copy_from_slice(unsafe { std::slice::from_raw_parts(std::ptr::from_ref(&x).cast::<u8>(), size_of::<T>()) });
-        });
+        common::element_bytes(dtype, salt * 1_000_003 + i as u64, e);
     }
     out
 }

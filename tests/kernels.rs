@@ -9,7 +9,7 @@
 //!   executor, with N simulated GPUs sharing FIFOs, against the host engine, bit for bit
 //!   over the collective grid.
 
-// `nvrtc_from_pypi` and `ops` of the shared helpers are used here.
+// Some of the shared helpers are used here.
 #[allow(unused_imports)]
 mod common;
 
@@ -25,7 +25,7 @@ use ferroccl::cuda::work::{self, FcclFifo, FcclOp, FcclWork, FifoEnd};
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::Kernel;
 use ferroccl::transport::Protocol;
-use ferroccl::{DataType, Element, ReduceOp};
+use ferroccl::{DataType, ReduceOp};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -166,30 +166,6 @@ impl Aligned {
     }
 }
 
-/// Element `i` of test data for `dtype`: any bits for integers (sums and products wrap),
-/// small values for floats (whole, halves, signed zeros), so that results are exact or
-/// saturate alike everywhere.
-fn element(dtype: DataType, seed: u64, out: &mut [u8]) {
-    let x = seed
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .rotate_left(17)
-        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    const FLOATS: [f64; 10] = [-3.0, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0];
-    let v = FLOATS[(x >> 40) as usize % FLOATS.len()];
-    ferroccl::with_element_type!(dtype, T => {
-        let e: T = if dtype.is_float() { T::from_f64(v) } else { T::from_f64(0.0) };
-        // SAFETY: T is a plain value type of out.len() bytes.
-        let mut bytes = unsafe {
-            std::slice::from_raw_parts(std::ptr::from_ref(&e).cast::<u8>(), size_of::<T>())
-        }
-        .to_vec();
-        if !dtype.is_float() {
-            bytes.copy_from_slice(&x.to_le_bytes()[..size_of::<T>()]);
-        }
-        out.copy_from_slice(&bytes);
-    });
-}
-
 #[test]
 fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
     let reduce: ReduceFn = symbol("ferroccl_host_reduce");
@@ -207,12 +183,12 @@ fn element_wise_kernels_equal_the_host_kernels_bit_for_bit() {
                         let mut a = Aligned::new((n + 4) * e);
                         let mut b = Aligned::new((n + 4) * e);
                         for i in 0..n {
-                            element(
+                            common::element_bytes(
                                 dtype,
                                 (i * 2) as u64,
                                 &mut a.bytes_mut()[(sa + i) * e..][..e],
                             );
-                            element(
+                            common::element_bytes(
                                 dtype,
                                 (i * 2 + 1) as u64,
                                 &mut b.bytes_mut()[(sb + i) * e..][..e],
@@ -348,7 +324,7 @@ impl RankBuffers {
         let seed = |i: usize| (rank * 1_000_003 + i) as u64;
         if let Some(at) = input_at {
             for i in 0..in_len {
-                element(
+                common::element_bytes(
                     case.dtype,
                     seed(i),
                     &mut output.bytes_mut()[(at + i) * e..][..e],
@@ -356,7 +332,7 @@ impl RankBuffers {
             }
         } else {
             for i in 0..in_len {
-                element(case.dtype, seed(i), &mut input.bytes_mut()[i * e..][..e]);
+                common::element_bytes(case.dtype, seed(i), &mut input.bytes_mut()[i * e..][..e]);
             }
         }
         RankBuffers {

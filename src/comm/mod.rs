@@ -111,6 +111,15 @@ pub struct RawCall {
     pub output: *mut u8,
 }
 
+impl RawCall {
+    /// Whether the call reduces, and the reduction its kernels apply (sum, as a plain
+    /// copy, for collectives that move data without reducing it).
+    fn reduction(&self) -> (bool, ReduceOp) {
+        let reducing = self.collective.is_reducing();
+        (reducing, if reducing { self.op } else { ReduceOp::Sum })
+    }
+}
+
 impl Communicator {
     /// Joins the communicator named by `id` as `rank` of `nranks`
     /// (`ncclCommInitRank`), with settings from the environment.
@@ -736,13 +745,22 @@ impl Communicator {
                 reason: why,
             });
         }
-        let mut plans = Vec::with_capacity(raws.len());
+        let st = &mut *st;
+        let fused;
+        let (plan, choices) = match raws {
+            [raw] => {
+                let cached = self.single_plan(&mut st.last_plan, raw)?;
+                (&cached.plan, vec![cached.choice])
+            }
+            _ => {
+                let (plan, choices) = self.fused_plan(raws)?;
+                fused = plan;
+                (&fused, choices)
+            }
+        };
         let mut ops = Vec::with_capacity(raws.len());
-        for raw in raws {
-            let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
-            plans.push(self.plan_with(raw, choice)?);
-            let reducing = raw.collective.is_reducing();
-            let op = if reducing { raw.op } else { ReduceOp::Sum };
+        for (raw, choice) in raws.iter().zip(&choices) {
+            let (reducing, op) = raw.reduction();
             ops.push(crate::cuda::launch::DeviceOp {
                 kernel: Kernel::new(raw.dtype, op, self.nranks)?,
                 reducing,
@@ -751,11 +769,6 @@ impl Communicator {
                 protocol: choice.protocol,
             });
         }
-        let plan = if plans.len() == 1 {
-            plans.pop().expect("one plan")
-        } else {
-            Plan::fuse(plans)?
-        };
         // The call's context: its stream's (or, for NULL, the thread's current one).
         // SAFETY: the caller's stream.
         let ctx = unsafe { crate::cuda::Context::of_stream(stream)? };
@@ -794,7 +807,7 @@ impl Communicator {
         let device = st.device.as_mut().expect("made above");
         // SAFETY: forwarded from this function's contract.
         let result =
-            unsafe { device.enqueue(&plan, &ops, stream, &*store, self.config.timeout, name, seq) };
+            unsafe { device.enqueue(plan, &ops, stream, &*store, self.config.timeout, name, seq) };
         if let Err(e) = &result {
             self.set_failure(e.to_string());
         }
@@ -909,31 +922,10 @@ impl Communicator {
                 reason: why.clone(),
             });
         }
-        // Each operation gets its own algorithm and protocol, from itself alone: every
-        // rank then agrees on each, whatever else it groups with it. `per_op`: each
-        // operation's choice and the scratch elements its plan needs.
+        // `per_op`: each operation's choice and the scratch elements its plan needs.
         let (fused, name, per_op): (_, _, Vec<(Choice, usize)>) = match raws {
             [raw] => {
-                let key = (raw.collective, raw.count, raw.dtype.size());
-                if st.last_plan.as_ref().is_none_or(|c| c.key != key) {
-                    let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
-                    let plan = self.plan_with(raw, choice)?;
-                    tracing::info!(
-                        "rank {}: {} of {} B uses {} ({} channels)",
-                        self.rank,
-                        raw.collective.name(),
-                        raw.count * raw.dtype.size(),
-                        choice.name(),
-                        self.config.channels
-                    );
-                    st.last_plan = Some(CachedPlan {
-                        key,
-                        scratch_elems: plan.scratch_elems(0),
-                        plan,
-                        choice,
-                    });
-                }
-                let cached = st.last_plan.as_ref().expect("planned above");
+                let cached = self.single_plan(&mut st.last_plan, raw)?;
                 (
                     None,
                     raw.collective.name(),
@@ -941,21 +933,12 @@ impl Communicator {
                 )
             }
             _ => {
-                let choices: Vec<Choice> = raws
-                    .iter()
-                    .map(|r| self.choice_for(r.collective, r.count * r.dtype.size()))
-                    .collect();
-                let plans = raws
-                    .iter()
-                    .zip(&choices)
-                    .map(|(raw, &c)| self.plan_with(raw, c))
-                    .collect::<Result<Vec<_>>>()?;
-                // Each plan has one operation, 0, before fusing renumbers them.
+                let (fused, choices) = self.fused_plan(raws)?;
                 let per_op = choices
                     .into_iter()
-                    .zip(plans.iter().map(|p| p.scratch_elems(0)))
+                    .enumerate()
+                    .map(|(i, c)| (c, fused.scratch_elems(i)))
                     .collect();
-                let fused = Plan::fuse(plans)?;
                 (Some(fused), "group", per_op)
             }
         };
@@ -964,8 +947,7 @@ impl Communicator {
         let mut scratch: Vec<Vec<u64>> = Vec::new();
         let mut ops = Vec::with_capacity(raws.len());
         for (raw, &(choice, elems)) in raws.iter().zip(&per_op) {
-            let reducing = raw.collective.is_reducing();
-            let op = if reducing { raw.op } else { ReduceOp::Sum };
+            let (reducing, op) = raw.reduction();
             let plain = match op {
                 ReduceOp::PreMulSum(_) => ReduceOp::Sum,
                 other => other,
@@ -1055,6 +1037,51 @@ impl Communicator {
             output: std::ptr::null_mut(),
         };
         self.plan_with(&raw, self.choice_for(collective, count * dtype.size()))
+    }
+
+    /// The plan of one operation, kept in `last_plan` so that loops repeating one call
+    /// (training steps, benchmarks) plan once.
+    fn single_plan<'a>(
+        &self,
+        last_plan: &'a mut Option<CachedPlan>,
+        raw: &RawCall,
+    ) -> Result<&'a CachedPlan> {
+        let key = (raw.collective, raw.count, raw.dtype.size());
+        if last_plan.as_ref().is_none_or(|c| c.key != key) {
+            let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
+            let plan = self.plan_with(raw, choice)?;
+            tracing::info!(
+                "rank {}: {} of {} B uses {} ({} channels)",
+                self.rank,
+                raw.collective.name(),
+                raw.count * raw.dtype.size(),
+                choice.name(),
+                self.config.channels
+            );
+            *last_plan = Some(CachedPlan {
+                key,
+                scratch_elems: plan.scratch_elems(0),
+                plan,
+                choice,
+            });
+        }
+        Ok(last_plan.as_ref().expect("planned above"))
+    }
+
+    /// The fused plan of operations issued together, and each operation's choice. Each
+    /// operation gets its own algorithm and protocol, from itself alone: every rank then
+    /// agrees on each, whatever else it groups with it.
+    fn fused_plan(&self, raws: &[RawCall]) -> Result<(Plan, Vec<Choice>)> {
+        let choices: Vec<Choice> = raws
+            .iter()
+            .map(|r| self.choice_for(r.collective, r.count * r.dtype.size()))
+            .collect();
+        let plans = raws
+            .iter()
+            .zip(&choices)
+            .map(|(raw, &c)| self.plan_with(raw, c))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((Plan::fuse(plans)?, choices))
     }
 
     fn plan_with(&self, raw: &RawCall, choice: Choice) -> Result<Plan> {

@@ -45,6 +45,15 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuGetErrorString",
 ];
 
+/// The first of `names` that `lib` does not export (cudarc panics when it calls one).
+pub(crate) fn missing_symbol<'a>(lib: &libloading::Library, names: &[&'a str]) -> Option<&'a str> {
+    // SAFETY: lookups by name; no pointer is called.
+    names
+        .iter()
+        .copied()
+        .find(|name| unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err())
+}
+
 /// The loaded, initialised driver: its version (e.g. 12080 for CUDA 12.8).
 #[derive(Clone, Copy, Debug)]
 pub struct Driver {
@@ -74,13 +83,10 @@ fn load_driver() -> std::result::Result<Driver, String> {
     // SAFETY: the library is present (checked above), so `culib` returns it; `get` only
     // looks a symbol up.
     let lib = unsafe { sys::culib() };
-    for name in DRIVER_SYMBOLS {
-        // SAFETY: a lookup by name; the pointer is not called.
-        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-            return Err(format!(
-                "the CUDA driver (libcuda.so.1) has no {name}: it is too old for ferroccl"
-            ));
-        }
+    if let Some(name) = missing_symbol(lib, DRIVER_SYMBOLS) {
+        return Err(format!(
+            "the CUDA driver (libcuda.so.1) has no {name}: it is too old for ferroccl"
+        ));
     }
     // SAFETY: every symbol used below exists (checked above).
     unsafe {
@@ -265,16 +271,13 @@ pub fn runtime() -> Result<usize> {
         .get_or_init(|| {
             // SAFETY: the library is loaded (driver() succeeded); lookups only.
             let lib = unsafe { sys::culib() };
-            for name in RUNTIME_SYMBOLS {
-                // SAFETY: a lookup by name; the pointer is not called.
-                if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-                    return Err(format!(
-                        "the CUDA driver (libcuda.so.1) has no {name}: it is too old for \
-                         ferroccl's device path"
-                    ));
-                }
+            match missing_symbol(lib, RUNTIME_SYMBOLS) {
+                Some(name) => Err(format!(
+                    "the CUDA driver (libcuda.so.1) has no {name}: it is too old for \
+                     ferroccl's device path"
+                )),
+                None => Ok(()),
             }
-            Ok(())
         })
         .clone()
         .map_err(|what| Error::Cuda { what })?;

@@ -13,7 +13,7 @@
 //! (source, architecture) for the life of the process.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::sys;
@@ -103,11 +103,8 @@ fn load() -> std::result::Result<Compiler, String> {
     }
     // SAFETY: the library is present (checked above); `get` only looks symbols up.
     let lib = unsafe { sys::culib() };
-    for name in SYMBOLS {
-        // SAFETY: a lookup by name; the pointer is not called.
-        if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-            return Err(format!("NVRTC has no {name}: it is too old for ferroccl"));
-        }
+    if let Some(name) = super::missing_symbol(lib, SYMBOLS) {
+        return Err(format!("NVRTC has no {name}: it is too old for ferroccl"));
     }
     let (mut major, mut minor): (c_int, c_int) = (0, 0);
     // SAFETY: every symbol is present; the call writes two ints.

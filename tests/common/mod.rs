@@ -163,3 +163,26 @@ pub fn nvrtc_from_pypi() -> std::path::PathBuf {
     unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
     dir
 }
+
+/// Element `seed` of test data for `dtype`, written to `out` (the element's bytes): any
+/// bits for integers (sums and products wrap), small values for floats (whole, halves,
+/// signed zeros), so that every implementation's results are exact or saturate alike.
+pub fn element_bytes(dtype: ferroccl::DataType, seed: u64, out: &mut [u8]) {
+    let x = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(17)
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    if !dtype.is_float() {
+        out.copy_from_slice(&x.to_le_bytes()[..out.len()]);
+        return;
+    }
+    const FLOATS: [f64; 10] = [-3.0, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0];
+    let v = FLOATS[(x >> 40) as usize % FLOATS.len()];
+    ferroccl::with_element_type!(dtype, T => {
+        let e = T::from_f64(v);
+        // SAFETY: T is a plain value type of out.len() bytes.
+        out.copy_from_slice(unsafe {
+            std::slice::from_raw_parts(std::ptr::from_ref(&e).cast::<u8>(), size_of::<T>())
+        });
+    });
+}
