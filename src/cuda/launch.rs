@@ -340,10 +340,7 @@ impl Launcher {
             if !p.event.done()? {
                 break;
             }
-            let p = self.pending.pop_front().expect("checked above");
-            let verdict = self.verdict(&p);
-            self.pools.give_back(p);
-            verdict?;
+            self.retire_oldest()?;
         }
         Ok(())
     }
@@ -371,12 +368,19 @@ impl Launcher {
                 std::thread::sleep(Duration::from_micros(50));
                 continue;
             }
-            let p = self.pending.pop_front().expect("checked above");
-            let verdict = self.verdict(&p);
-            self.pools.give_back(p);
-            verdict?;
+            self.retire_oldest()?;
         }
         Ok(())
+    }
+
+    /// Releases the oldest call (finished) to the pools; its verdict.
+    fn retire_oldest(&mut self) -> Result<()> {
+        let Some(p) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        let verdict = self.verdict(&p);
+        self.pools.give_back(p);
+        verdict
     }
 
     /// Tells every running executor of this rank to stop waiting (they report
