@@ -246,12 +246,40 @@ struct FcclLocalCopy {
   }
 };
 
+// A `Reduce` step: dst = a ⊕ b, each operand with the pre-operation if it is this rank's
+// contribution (the input), and the post-operation if final. `a` is only the input when
+// `b` is not, so writing pre(a) to dst first never overwrites b.
+struct FcclLocalReduce {
+  template <typename T>
+  FCCL_FN void run(const FcclWork* w, const FcclStep* s, uint32_t tid, uint32_t nthreads) {
+    const FcclOp& op = w->ops[s->dst.op];
+    const uint32_t E = sizeof(T);
+    const T* a = (const T*)fccl_addr(*w, s->src, 0, E);
+    const T* b = (const T*)fccl_addr(*w, s->b, 0, E);
+    T* dst = (T*)fccl_addr(*w, s->dst, 0, E);
+    const uint64_t n = s->dst.len;
+    const bool premul = op.redop == FCCL_OP_PREMULSUM;
+    if (premul && s->src.buf == FCCL_BUF_INPUT) {
+      fccl_pre<T>(dst, a, n, op.redop, op.scalar, tid, nthreads);
+      __syncthreads();
+      a = dst;
+    }
+    const uint32_t b_op = premul && s->b.buf != FCCL_BUF_INPUT ? FCCL_OP_SUM : op.redop;
+    fccl_reduce<T>(dst, a, b, n, b_op, op.scalar, tid, nthreads);
+    __syncthreads();
+    if (s->post) fccl_post<T>(dst, n, op.redop, op.nranks, tid, nthreads);
+  }
+};
+
 // Runs one step to its end; sets `st.failed` if it cannot.
 FCCL_FN void fccl_run_step(const FcclWork& w, const FcclStep& s, FcclBlockState& st, uint32_t tid,
                            uint32_t nthreads) {
-  if (s.kind == FCCL_COPY) {
-    if (!fccl_with_dtype<FcclLocalCopy>(w.ops[s.dst.op].dtype, &w, &s, tid, nthreads) && tid == 0)
-      st.failed = FCCL_STATUS_BAD_PLAN;
+  if (s.kind == FCCL_COPY || s.kind == FCCL_REDUCE) {
+    const uint32_t dtype = w.ops[s.dst.op].dtype;
+    const bool known = s.kind == FCCL_COPY
+                           ? fccl_with_dtype<FcclLocalCopy>(dtype, &w, &s, tid, nthreads)
+                           : fccl_with_dtype<FcclLocalReduce>(dtype, &w, &s, tid, nthreads);
+    if (!known && tid == 0) st.failed = FCCL_STATUS_BAD_PLAN;
     __syncthreads();
     return;
   }

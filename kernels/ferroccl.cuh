@@ -47,6 +47,7 @@ typedef unsigned long long uintptr_t;
 #define FCCL_RECV_REDUCE_COPY_SEND 5u
 #define FCCL_RECV_COPY_SEND 6u
 #define FCCL_COPY 7u
+#define FCCL_REDUCE 8u
 
 // Protocols (`transport::Protocol`).
 #define FCCL_SIMPLE 0u
@@ -80,8 +81,9 @@ struct FcclStep {
   uint32_t post;
   int32_t send_fifo;
   int32_t recv_fifo;
-  FcclRegion src;
+  FcclRegion src;  // a `Reduce`'s first operand
   FcclRegion dst;
+  FcclRegion b;  // a `Reduce`'s second operand
 };
 
 // Steps `first .. first + count` of `FcclWork::steps`, run by one thread block.

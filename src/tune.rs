@@ -7,9 +7,12 @@
 //!
 //! - **ring**: 2(n−1) steps of `S/n` bytes each, paced by the slowest link of the ring
 //!   (the network when `h > 1`): `2(n−1)·α + 2(n−1)/n · S/β`;
-//! - **one-shot** (two ranks): each sends its whole buffer to the other, `α + S/β`,
-//!   plus the extra local reduction of the half the ring would have left to the peer,
-//!   `S/β_local`;
+//! - **one-shot**: each rank sends its whole buffer to each of the n−1 others in one
+//!   hand-off, and folds the n−1 it receives: `α + (n−1)·S/β + (n−1)·S/β_local`;
+//! - **two-shot**: a direct reduce-scatter and a direct all-gather, two hand-offs and
+//!   the ring's bytes, plus the fold of what the reduce-scatter gathered (received into
+//!   scratch, then reduced: one more pass over it): `2α + 2(n−1)/n·S/β +
+//!   (n−1)/n·S/β_local`;
 //! - **tree** (double binary tree over hosts, chain inside): the data goes up and comes
 //!   back down, `d = ⌈log₂ h⌉` network levels and `k−1` chain links each way, pipelined
 //!   in chunks so the bandwidth term is paid about twice over the network:
@@ -230,48 +233,60 @@ impl CostModel {
         }
         let s = bytes as f64;
         let pace = self.pace(shape, choice.protocol);
+        let n1 = n - 1.0;
         match choice.algorithm {
-            Algorithm::OneShot if shape.ranks != 2 => f64::INFINITY,
-            // One hand-off, but each rank reduces the whole buffer instead of half of it.
-            Algorithm::OneShot => pace.alpha + s / pace.beta + s / self.local.beta,
-            Algorithm::Ring => 2.0 * (n - 1.0) * pace.alpha + 2.0 * (n - 1.0) / n * s / pace.beta,
+            Algorithm::OneShot => pace.alpha + n1 * s / pace.beta + n1 * s / self.local.beta,
+            Algorithm::TwoShot => {
+                2.0 * pace.alpha + 2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta
+            }
+            Algorithm::Ring => 2.0 * n1 * pace.alpha + 2.0 * n1 / n * s / pace.beta,
             Algorithm::Tree => 2.0 * self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
         }
     }
 
     /// Predicted seconds for a broadcast of `bytes` with `choice`: a pipelined chain
-    /// along the ring, `(n−1)·α + S/β`, or down the tree, `(d·α_net + (k−1)·α_local) +
-    /// 2·S/β` (an inner node sends each chunk to two children).
+    /// along the ring, `(n−1)·α + S/β`, down the tree, `(d·α_net + (k−1)·α_local) +
+    /// 2·S/β` (an inner node sends each chunk to two children), or straight from the
+    /// root, `α + (n−1)·S/β`.
     pub fn broadcast(&self, choice: Choice, bytes: usize, shape: Shape) -> f64 {
         if shape.ranks <= 1 {
             return 0.0;
         }
         let s = bytes as f64;
+        let n1 = shape.ranks as f64 - 1.0;
         let pace = self.pace(shape, choice.protocol);
         match choice.algorithm {
-            Algorithm::OneShot => f64::INFINITY,
-            Algorithm::Ring => (shape.ranks as f64 - 1.0) * pace.alpha + s / pace.beta,
+            Algorithm::OneShot => pace.alpha + n1 * s / pace.beta,
+            Algorithm::TwoShot => f64::INFINITY,
+            Algorithm::Ring => n1 * pace.alpha + s / pace.beta,
             Algorithm::Tree => self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
         }
     }
 
     /// Predicted seconds for `collective` on `bytes` per rank (its count times the
     /// element size) with `choice`. All-reduce and broadcast as above; reduce as a
-    /// broadcast (chain or tree); all-gather and reduce-scatter `n−1` ring steps of one block;
-    /// the direct collectives and send/recv one hand-off and the blocks they move.
+    /// broadcast (chain, tree, or straight to the root, which then folds n−1 buffers);
+    /// all-gather and reduce-scatter `n−1` ring steps of one block, or one-shot: one
+    /// hand-off and the same blocks (reduce-scatter folding them); the direct
+    /// collectives and send/recv one hand-off and the blocks they move.
     pub fn time(&self, collective: Collective, choice: Choice, bytes: usize, shape: Shape) -> f64 {
+        if !choice.algorithm.applies_to(collective) {
+            return f64::INFINITY;
+        }
         let n1 = shape.ranks.saturating_sub(1) as f64;
         let s = bytes as f64;
         let pace = self.pace(shape, choice.protocol);
-        let ring_only = choice.algorithm == Algorithm::Ring;
+        let one_shot = choice.algorithm == Algorithm::OneShot;
+        let fold = n1 * s / self.local.beta;
         match collective {
             Collective::AllReduce => self.all_reduce(choice, bytes, shape),
             // A reduce is a broadcast run backwards: the same chain or tree, the same
             // bytes per link.
-            Collective::Broadcast { .. } | Collective::Reduce { .. } => {
-                self.broadcast(choice, bytes, shape)
-            }
-            _ if !ring_only => f64::INFINITY,
+            Collective::Broadcast { .. } => self.broadcast(choice, bytes, shape),
+            Collective::Reduce { .. } if one_shot => self.broadcast(choice, bytes, shape) + fold,
+            Collective::Reduce { .. } => self.broadcast(choice, bytes, shape),
+            Collective::AllGather if one_shot => pace.alpha + n1 * s / pace.beta,
+            Collective::ReduceScatter if one_shot => pace.alpha + n1 * s / pace.beta + fold,
             Collective::AllGather | Collective::ReduceScatter => n1 * (pace.alpha + s / pace.beta),
             Collective::AllToAll | Collective::Gather { .. } | Collective::Scatter { .. } => {
                 pace.alpha + n1 * s / pace.beta
@@ -282,8 +297,8 @@ impl CostModel {
 
     /// The fastest of `algorithms` × `protocols` for `collective` on `bytes` per rank;
     /// ties go to the earlier algorithm, then the earlier protocol. Across hosts LL is a
-    /// candidate only when it is the only protocol allowed. When no algorithm applies
-    /// (one-shot on more than two ranks), the ring with the first protocol.
+    /// candidate only when it is the only protocol allowed. When none of `algorithms`
+    /// applies to the collective, the ring with the first protocol.
     pub fn best(
         &self,
         collective: Collective,

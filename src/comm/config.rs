@@ -21,7 +21,8 @@ use crate::transport::{Striping, TransportChoice};
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
-/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
+/// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, `twoshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
+/// | `FERROCCL_DETERMINISTIC` (`1`/`0`) | `deterministic` | off |
 /// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_LL_SLOT_SIZE` | `ll_payload_bytes` (data bytes per LL slot) | 4 KiB |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
@@ -44,9 +45,15 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
-    /// The algorithms the cost model may choose from for all-reduce and broadcast (one
-    /// to force it).
+    /// The algorithms the cost model may choose from (one to force it), for the
+    /// collectives each applies to ([`Algorithm::applies_to`]).
     pub algorithms: Vec<Algorithm>,
+    /// Reductions combine every element's contributions in rank order `0, 1, …, n−1`,
+    /// so results are the same bits whatever the algorithm, protocol, chunk size or
+    /// channel count (and from run to run): reducing collectives then use only the
+    /// algorithms that fold in rank order ([`Algorithm::folds_in_rank_order`]), the
+    /// one-shot when none of those allowed applies.
+    pub deterministic: bool,
     /// The protocols the cost model may choose from (one to force it). LL FIFOs exist
     /// only when LL is allowed.
     pub protocols: Vec<Protocol>,
@@ -76,6 +83,7 @@ impl Default for CommConfig {
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
             algorithms: ALL_ALGORITHMS.to_vec(),
+            deterministic: false,
             protocols: Protocol::ALL.to_vec(),
             ll_slots: 8,
             ll_payload_bytes: 4096,
@@ -150,6 +158,18 @@ impl CommConfig {
         if let Some((var, list)) = env_first(&["FERROCCL_ALGO", "NCCL_ALGO"]) {
             c.algorithms = parse_algorithms(var, &list)?;
         }
+        if let Ok(v) = std::env::var("FERROCCL_DETERMINISTIC") {
+            c.deterministic = match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => true,
+                "" | "0" | "false" | "no" | "off" => false,
+                _ => {
+                    return Err(Error::Env {
+                        var: "FERROCCL_DETERMINISTIC".into(),
+                        detail: format!("{v:?} is not 1 or 0"),
+                    });
+                }
+            };
+        }
         if let Some((var, list)) = env_first(&["FERROCCL_PROTO", "NCCL_PROTO"]) {
             c.protocols = parse_protocols(var, &list)?;
         }
@@ -211,6 +231,10 @@ impl CommConfig {
             (
                 "FERROCCL_PROTO",
                 names(self.protocols.iter().map(|p| p.name()).collect()),
+            ),
+            (
+                "FERROCCL_DETERMINISTIC",
+                u8::from(self.deterministic).to_string(),
             ),
             ("FERROCCL_TRANSPORT", format!("{:?}", self.transport)),
             ("FERROCCL_NCHANNELS", self.channels.to_string()),
@@ -297,7 +321,12 @@ fn half_fifo(slots: usize, bytes: usize) -> usize {
 }
 
 /// Every algorithm ferroccl has.
-pub const ALL_ALGORITHMS: [Algorithm; 3] = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
+pub const ALL_ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::Ring,
+    Algorithm::Tree,
+    Algorithm::OneShot,
+    Algorithm::TwoShot,
+];
 
 /// What a word of an NCCL list names.
 enum Word<T> {
@@ -351,16 +380,17 @@ fn parse_list<T: Copy + PartialEq>(
 }
 
 /// Reads an algorithm list in NCCL's syntax (`ring`, `tree`, `ring,tree`, `^tree`;
-/// ferroccl also has `oneshot`): the algorithms the cost model may choose from. NCCL's
+/// ferroccl also has `oneshot` and `twoshot`): the algorithms the cost model may choose from. NCCL's
 /// algorithms that ferroccl does not have (`collnet*`, `nvls*`, `pat`) are accepted and
 /// ignored, so an `NCCL_ALGO` meant for NCCL still works; anything else is an error
 /// naming it.
 pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
-    let names = ("algorithm", "ring, tree and oneshot");
+    let names = ("algorithm", "ring, tree, oneshot and twoshot");
     parse_list(var, list, &ALL_ALGORITHMS, names, |w| match w {
         "ring" => Word::Ours(Algorithm::Ring),
         "tree" => Word::Ours(Algorithm::Tree),
         "oneshot" | "one-shot" | "one_shot" => Word::Ours(Algorithm::OneShot),
+        "twoshot" | "two-shot" | "two_shot" => Word::Ours(Algorithm::TwoShot),
         w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => Word::NcclOnly,
         _ => Word::Unknown,
     })
@@ -388,10 +418,14 @@ mod tests {
         use Algorithm::*;
         assert_eq!(parse_algorithms("X", "tree").unwrap(), [Tree]);
         assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), [Ring, Tree]);
-        assert_eq!(parse_algorithms("X", "^ring").unwrap(), [Tree, OneShot]);
+        assert_eq!(
+            parse_algorithms("X", "^ring").unwrap(),
+            [Tree, OneShot, TwoShot]
+        );
+        assert_eq!(parse_algorithms("X", "TwoShot").unwrap(), [TwoShot]);
         assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), [Tree]);
         assert_eq!(parse_algorithms("X", "^nvls").unwrap(), ALL_ALGORITHMS);
-        let err = parse_algorithms("X", "^ring,tree,oneshot")
+        let err = parse_algorithms("X", "^ring,tree,oneshot,twoshot")
             .unwrap_err()
             .to_string();
         assert!(err.contains("leaves no algorithm"), "{err}");

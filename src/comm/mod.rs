@@ -1097,20 +1097,30 @@ impl Communicator {
 
     /// The algorithm and protocol a call of `collective` moving `bytes` per rank uses:
     /// those `FERROCCL_ALGO` / `FERROCCL_PROTO` force, or the cost model's choice among
-    /// those allowed. (All-reduce, broadcast and reduce have a choice of algorithm; the
-    /// others have one, reported as ring. Every collective has a choice of protocol.)
+    /// those allowed that apply to it (all-to-all, gather, scatter and send/recv have
+    /// one plan, reported as ring; every collective has a choice of protocol). In
+    /// deterministic mode a reduction uses only algorithms that fold in rank order.
     pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
-        let algorithms: &[Algorithm] = match collective {
-            Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. } => {
-                &self.config.algorithms
-            }
-            _ => &[Algorithm::Ring],
-        };
+        let rank_order = self.config.deterministic && collective.is_reducing();
+        let mut algorithms: Vec<Algorithm> = self
+            .config
+            .algorithms
+            .iter()
+            .copied()
+            .filter(|a| a.applies_to(collective) && (!rank_order || a.folds_in_rank_order()))
+            .collect();
+        if algorithms.is_empty() {
+            algorithms.push(if rank_order {
+                Algorithm::OneShot
+            } else {
+                Algorithm::Ring
+            });
+        }
         let choice = self.model.best(
             collective,
             bytes,
             self.shape,
-            algorithms,
+            &algorithms,
             &self.config.protocols,
         );
         tracing::debug!(

@@ -34,18 +34,21 @@ pub struct FcclRegion {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FcclStep {
-    /// `FCCL_SEND` 0 … `FCCL_COPY` 7, in [`Step`]'s order.
+    /// `FCCL_SEND` 0 … `FCCL_COPY` 7, `FCCL_REDUCE` 8, in [`Step`]'s order.
     pub kind: u32,
-    /// 1 when a `RecvReduceCopy` produces a final value (post-operation applies).
+    /// 1 when a `RecvReduceCopy` or `Reduce` produces a final value (post-operation
+    /// applies).
     pub post: u32,
     /// Index into the FIFO ends, or -1.
     pub send_fifo: i32,
     /// Index into the FIFO ends, or -1.
     pub recv_fifo: i32,
-    /// Source region (unused by `Recv` and `RecvCopySend`).
+    /// Source region (unused by `Recv` and `RecvCopySend`); a `Reduce`'s first operand.
     pub src: FcclRegion,
     /// Destination region (unused by `Send` and `RecvReduceSend`).
     pub dst: FcclRegion,
+    /// A `Reduce`'s second operand (unused by the other steps).
+    pub b: FcclRegion,
 }
 
 /// `FcclLane`: steps `first .. first + count`, run by one thread block.
@@ -233,6 +236,7 @@ pub fn lay_out(plan: &Plan, protocols: &[Protocol]) -> Result<LaidOut> {
             count: lane.steps.len() as u32,
         });
         for step in &lane.steps {
+            let mut b = None;
             let (kind, src, dst, post) = match *step {
                 Step::Send { src, .. } => (0, Some(src), None, false),
                 Step::Recv { dst, .. } => (1, None, Some(dst), false),
@@ -242,6 +246,15 @@ pub fn lay_out(plan: &Plan, protocols: &[Protocol]) -> Result<LaidOut> {
                 Step::RecvReduceCopySend { src, dst, .. } => (5, Some(src), Some(dst), false),
                 Step::RecvCopySend { dst, .. } => (6, None, Some(dst), false),
                 Step::Copy { src, dst } => (7, Some(src), Some(dst), false),
+                Step::Reduce {
+                    a,
+                    b: second,
+                    dst,
+                    post,
+                } => {
+                    b = Some(second);
+                    (8, Some(a), Some(dst), post)
+                }
             };
             let op = src.or(dst).map_or(0, |r| r.op);
             let protocol = protocols[op];
@@ -252,6 +265,7 @@ pub fn lay_out(plan: &Plan, protocols: &[Protocol]) -> Result<LaidOut> {
                 recv_fifo: end(lane.channel, step.recv_from(), false, protocol),
                 src: src.map(region).unwrap_or_default(),
                 dst: dst.map(region).unwrap_or_default(),
+                b: b.map(region).unwrap_or_default(),
             });
         }
     }

@@ -380,11 +380,11 @@ unsafe fn advance(
         if trace.is_some() {
             StepTrace::reach(st);
         }
-        if let Step::Copy { src, dst } = *step {
+        if step.is_local() {
             // SAFETY: regions inside their buffers by contract.
-            unsafe { local_copy(ops, &src, &dst) };
+            let elem = unsafe { local_step(ops, step) };
             if let Some(t) = trace {
-                t.finish(channel, step, ops[dst.op].kernel.dtype().size(), st);
+                t.finish(channel, step, elem, st);
             }
             st.step += 1;
             moved = true;
@@ -400,6 +400,7 @@ unsafe fn advance(
             | Step::RecvReduceCopy { src, .. }
             | Step::RecvReduceCopySend { src, .. }
             | Step::Copy { src, .. } => src.op,
+            Step::Reduce { .. } => unreachable!("local steps are not sliced"),
         };
         let op = ops[op_index];
         let elem = op.kernel.dtype().size();
@@ -491,14 +492,45 @@ fn operand_kernel<'a>(op: &'a OpBuffers, src: &Region) -> &'a Kernel {
     }
 }
 
-/// A `Copy` step: `dst = src`, or `dst = post(pre(src))` in a reducing operation.
+/// A local step, whole; returns its element size (for its trace).
+///
+/// - `Copy`: `dst = src`, or `dst = post(pre(src))` in a reducing operation.
+/// - `Reduce`: `dst = a ⊕ b`, each operand with the pre-operation if it is this rank's
+///   contribution, and the post-operation if final.
 ///
 /// # Safety
 /// Regions inside their buffers.
-unsafe fn local_copy(ops: &[OpBuffers], src: &Region, dst: &Region) {
+unsafe fn local_step(ops: &[OpBuffers], step: &Step) -> usize {
+    let (src, dst) = match *step {
+        Step::Copy { src, dst } => (src, dst),
+        Step::Reduce { a, b, dst, post } => {
+            let op = &ops[dst.op];
+            let n = dst.len;
+            // SAFETY (whole block): in bounds by contract; the kernels allow their
+            // destination to equal an operand, and `a` is only the input when `b` is not
+            // (a rank has one contribution), so writing `pre(a)` to `dst` first never
+            // overwrites `b`.
+            unsafe {
+                let (pa, pb, d) = (addr(ops, &a, 0), addr(ops, &b, 0), addr(ops, &dst, 0));
+                let pa = if a.buf == Buf::Input && op.kernel.has_pre() {
+                    op.kernel.pre(d, pa, n);
+                    d
+                } else {
+                    pa
+                };
+                operand_kernel(op, &b).reduce(d, pa, pb, n);
+                if post {
+                    op.kernel.post(d, n);
+                }
+            }
+            return op.kernel.dtype().size();
+        }
+        _ => unreachable!("only copies and folds are local"),
+    };
     let op = &ops[dst.op];
+    let elem = op.kernel.dtype().size();
     // SAFETY: forwarded.
-    let (s, d) = unsafe { (addr(ops, src, 0) as *const u8, addr(ops, dst, 0)) };
+    let (s, d) = unsafe { (addr(ops, &src, 0) as *const u8, addr(ops, &dst, 0)) };
     let n = src.len;
     if op.reducing {
         // SAFETY: `pre` allows dst == src; regions are in bounds.
@@ -508,8 +540,9 @@ unsafe fn local_copy(ops: &[OpBuffers], src: &Region, dst: &Region) {
         }
     } else if !std::ptr::eq(s, d) {
         // SAFETY: in bounds; `copy` tolerates overlap.
-        unsafe { std::ptr::copy(s, d, n * op.kernel.dtype().size()) };
+        unsafe { std::ptr::copy(s, d, n * elem) };
     }
+    elem
 }
 
 /// Moves one slice of `n` elements starting `skip` elements into the step.
@@ -577,7 +610,7 @@ unsafe fn move_slice(
                 std::ptr::copy_nonoverlapping(x, addr(ops, &dst, skip), bytes);
                 std::ptr::copy_nonoverlapping(x, o, bytes);
             }
-            Step::Copy { .. } => unreachable!("copy steps are not sliced"),
+            Step::Copy { .. } | Step::Reduce { .. } => unreachable!("local steps are not sliced"),
         }
     }
 }

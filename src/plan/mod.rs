@@ -189,6 +189,21 @@ pub enum Step {
         /// Destination.
         dst: Region,
     },
+    /// Store `a ⊕ b` in `dst`, locally: the fold of the direct algorithms, which combine
+    /// the contributions they gathered in rank order (`a` the partial result of the lower
+    /// ranks, `b` the next rank's contribution), so that every rank, whatever it
+    /// received first, computes the same bits. With `post` the result is final (the
+    /// op's post-operation applies).
+    Reduce {
+        /// First operand (the partial result so far).
+        a: Region,
+        /// Second operand (the next contribution).
+        b: Region,
+        /// Result (may be `a` or `b`).
+        dst: Region,
+        /// Whether the result is final.
+        post: bool,
+    },
 }
 
 impl Step {
@@ -201,7 +216,9 @@ impl Step {
             | Step::RecvReduceCopy { src, .. }
             | Step::RecvReduceCopySend { src, .. }
             | Step::Copy { src, .. } => src.len,
-            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => dst.len,
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } | Step::Reduce { dst, .. } => {
+                dst.len
+            }
         }
     }
 
@@ -218,7 +235,9 @@ impl Step {
             | Step::RecvReduceCopy { from, .. }
             | Step::RecvReduceCopySend { from, .. }
             | Step::RecvCopySend { from, .. } => Some(from),
-            Step::Send { .. } | Step::CopySend { .. } | Step::Copy { .. } => None,
+            Step::Send { .. } | Step::CopySend { .. } | Step::Copy { .. } | Step::Reduce { .. } => {
+                None
+            }
         }
     }
 
@@ -230,25 +249,29 @@ impl Step {
             | Step::RecvReduceSend { to, .. }
             | Step::RecvReduceCopySend { to, .. }
             | Step::RecvCopySend { to, .. } => Some(to),
-            Step::Recv { .. } | Step::RecvReduceCopy { .. } | Step::Copy { .. } => None,
+            Step::Recv { .. }
+            | Step::RecvReduceCopy { .. }
+            | Step::Copy { .. }
+            | Step::Reduce { .. } => None,
         }
     }
 
-    /// The step's local regions (its source, its destination, or both).
+    /// The step's local regions (what it reads, then what it writes).
     pub fn regions(&self) -> impl Iterator<Item = Region> {
         let mut step = *self;
-        let [a, b] = step.regions_mut().map(|r| r.copied());
-        [a, b].into_iter().flatten()
+        let [a, b, c] = step.regions_mut().map(|r| r.copied());
+        [a, b, c].into_iter().flatten()
     }
 
-    fn regions_mut(&mut self) -> [Option<&mut Region>; 2] {
+    fn regions_mut(&mut self) -> [Option<&mut Region>; 3] {
         match self {
-            Step::Send { src, .. } | Step::RecvReduceSend { src, .. } => [Some(src), None],
-            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None],
+            Step::Send { src, .. } | Step::RecvReduceSend { src, .. } => [Some(src), None, None],
+            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => [Some(dst), None, None],
             Step::CopySend { src, dst, .. }
             | Step::RecvReduceCopy { src, dst, .. }
             | Step::RecvReduceCopySend { src, dst, .. }
-            | Step::Copy { src, dst } => [Some(src), Some(dst)],
+            | Step::Copy { src, dst } => [Some(src), Some(dst), None],
+            Step::Reduce { a, b, dst, .. } => [Some(a), Some(b), Some(dst)],
         }
     }
 
@@ -270,7 +293,13 @@ impl Step {
             Step::RecvReduceCopySend { .. } => "recvReduceCopySend",
             Step::RecvCopySend { .. } => "recvCopySend",
             Step::Copy { .. } => "copy",
+            Step::Reduce { .. } => "reduce",
         }
+    }
+
+    /// Whether the step is local (no peer: a copy or a fold).
+    pub fn is_local(&self) -> bool {
+        matches!(self, Step::Copy { .. } | Step::Reduce { .. })
     }
 }
 
@@ -299,6 +328,10 @@ impl fmt::Display for Step {
                 write!(f, "recvCopySend {from} -> {dst}, -> {to}")
             }
             Step::Copy { src, dst } => write!(f, "copy {src} -> {dst}"),
+            Step::Reduce { a, b, dst, post } => {
+                let done = if post { " (final)" } else { "" };
+                write!(f, "reduce {a} + {b} -> {dst}{done}")
+            }
         }
     }
 }
@@ -475,38 +508,76 @@ pub struct PlanOptions {
     /// One ring per channel: the ranks in ring order. All must be permutations of
     /// `0..nranks`.
     pub rings: Vec<Vec<usize>>,
-    /// The algorithm for all-reduce and broadcast (the other collectives have one).
+    /// The algorithm, for the collectives it applies to ([`Algorithm::applies_to`];
+    /// the others use their one plan).
     pub algorithm: Algorithm,
     /// The host of each rank (any labels; equal labels share a host), for trees: hosts
     /// form a double binary tree, ranks of a host a chain. Empty: one host per rank.
     pub hosts: Vec<usize>,
 }
 
-/// How an all-reduce moves data.
+/// How a collective moves data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Reduce-scatter then all-gather around a ring: 2(n−1) steps, each rank sends
-    /// 2(n−1)/n of the buffer — bandwidth-optimal.
+    /// 2(n−1)/n of the buffer — bandwidth-optimal. The other collectives pipeline along
+    /// the same ring.
     #[default]
     Ring,
     /// Reduce up a tree, broadcast down it (double binary tree across hosts, a chain
     /// inside each): about 2 log₂(hosts) + chain steps, each rank sends the buffer about
-    /// twice — latency-friendly across many hosts.
+    /// twice — latency-friendly across many hosts. (All-reduce, broadcast, reduce.)
     Tree,
-    /// Two ranks only: each sends its whole buffer to the other and adds what it
-    /// receives — one hand-off instead of the ring's two, the same bytes (other rank
-    /// counts use the ring). Both ranks get the same result, the two operands of the one
-    /// addition being the same.
+    /// Direct, one hand-off: every rank sends its contribution straight to every rank
+    /// that needs it, and each receiver folds what it gathered in rank order
+    /// (all-reduce, reduce, reduce-scatter) or stores it (broadcast, all-gather). A
+    /// rank sends n−1 messages instead of one and reduces the whole buffer: for small
+    /// messages, where hand-offs cost more than bytes.
     OneShot,
+    /// All-reduce as a direct reduce-scatter then a direct all-gather: two hand-offs
+    /// whatever the number of ranks, and the ring's bytes (each rank sends 2(n−1)/n of
+    /// the buffer); each block is folded in rank order by the rank that owns it. For the
+    /// middle sizes.
+    TwoShot,
 }
 
 impl Algorithm {
-    /// NCCL's name (`ring`, `tree`).
+    /// NCCL's name (`ring`, `tree`), or ferroccl's (`oneshot`, `twoshot`).
     pub fn name(&self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
             Algorithm::OneShot => "oneshot",
+            Algorithm::TwoShot => "twoshot",
+        }
+    }
+
+    /// Whether the algorithm combines every element's contributions in rank order
+    /// `0, 1, …, n−1` (so its results are the same bits as a serial left fold, whatever
+    /// the channels, chunks and protocol): the direct ones do; the ring starts each
+    /// block's sum at a different rank and the tree adds subtrees.
+    pub fn folds_in_rank_order(&self) -> bool {
+        matches!(self, Algorithm::OneShot | Algorithm::TwoShot)
+    }
+
+    /// Whether `collective` has a plan with this algorithm (every collective has the
+    /// ring, which stands for its one algorithm where it has no choice).
+    pub fn applies_to(&self, collective: Collective) -> bool {
+        match self {
+            Algorithm::Ring => true,
+            Algorithm::Tree => matches!(
+                collective,
+                Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. }
+            ),
+            Algorithm::OneShot => matches!(
+                collective,
+                Collective::AllReduce
+                    | Collective::Broadcast { .. }
+                    | Collective::Reduce { .. }
+                    | Collective::AllGather
+                    | Collective::ReduceScatter
+            ),
+            Algorithm::TwoShot => collective == Collective::AllReduce,
         }
     }
 }
@@ -774,19 +845,28 @@ pub fn plan(
     };
     let mut lanes = match collective {
         Collective::AllReduce => match options.algorithm {
-            Algorithm::OneShot if nranks == 2 => b.one_shot_all_reduce(),
-            Algorithm::Ring | Algorithm::OneShot => b.ring_all_reduce(),
+            Algorithm::Ring => b.ring_all_reduce(),
             Algorithm::Tree => b.tree_all_reduce(),
+            Algorithm::OneShot => b.one_shot_all_reduce(),
+            Algorithm::TwoShot => b.two_shot_all_reduce(),
         },
-        Collective::ReduceScatter => b.ring_reduce_scatter(),
-        Collective::AllGather => b.ring_all_gather(),
+        Collective::ReduceScatter => match options.algorithm {
+            Algorithm::OneShot => b.one_shot_reduce_scatter(),
+            _ => b.ring_reduce_scatter(),
+        },
+        Collective::AllGather => match options.algorithm {
+            Algorithm::OneShot => b.one_shot_all_gather(),
+            _ => b.ring_all_gather(),
+        },
         Collective::Broadcast { root } => match options.algorithm {
-            Algorithm::Ring | Algorithm::OneShot => b.ring_broadcast(root),
             Algorithm::Tree => b.tree_broadcast(root),
+            Algorithm::OneShot => b.one_shot_broadcast(root),
+            _ => b.ring_broadcast(root),
         },
         Collective::Reduce { root } => match options.algorithm {
-            Algorithm::Ring | Algorithm::OneShot => b.ring_reduce(root),
             Algorithm::Tree => b.tree_reduce(root),
+            Algorithm::OneShot => b.one_shot_reduce(root),
+            _ => b.ring_reduce(root),
         },
         Collective::AllToAll => b.direct_all_to_all(),
         Collective::Gather { root } => b.direct_rooted(root, true),
@@ -895,6 +975,28 @@ fn tree_up(parent: Option<usize>, kids: &[usize], inp: Region, acc: Region) -> V
 /// A lane of channel 0 with a single step.
 fn one(step: Step) -> Lane {
     lane(0, vec![step])
+}
+
+/// Where one channel's fold keeps what it gathers: one scratch slot per rank (the
+/// fold's own slot holds its partial sums), reused for every range the lane folds.
+struct FoldSlots {
+    base: usize,
+    stride: usize,
+}
+
+impl FoldSlots {
+    /// The slots of channel `channel`, for ranges of at most `longest` elements.
+    fn new(channel: usize, nranks: usize, longest: usize) -> Self {
+        FoldSlots {
+            base: channel * nranks * longest,
+            stride: longest,
+        }
+    }
+
+    /// Slot `j`'s first `len` elements.
+    fn slot(&self, j: usize, len: usize) -> Region {
+        Region::scratch(self.base + j * self.stride, len)
+    }
 }
 
 /// Shared inputs of the plan builders.
@@ -1084,43 +1186,203 @@ impl Builder<'_> {
         lanes
     }
 
-    /// One-shot all-reduce of two ranks: each chunk is sent to the peer whole, then the
-    /// peer's chunk is received and added to this rank's own. A chunk is always sent
-    /// before the same chunk of the output is written (in place, that is the input), and
-    /// the next chunk goes out before the previous one comes back, so one chunk is always
-    /// in flight each way.
+    /// One-shot all-reduce: chunk by chunk, every rank sends its contribution to every
+    /// peer, then receives theirs and folds all n in rank order into its output. The next
+    /// chunk goes out before the previous one is received, so one chunk is in flight each
+    /// way; a chunk is sent before the same chunk of the output is written (in place,
+    /// that is the input).
     fn one_shot_all_reduce(&self) -> Vec<Lane> {
-        let peer = 1 - self.rank;
+        let me = self.rank;
         (0..self.channels())
             .map(|c| {
                 let chunks = self.block_chunks(c);
-                let mut steps = Vec::with_capacity(2 * chunks.len());
+                let slots = self.chunk_slots(c);
+                let send = |(off, l): (usize, usize), steps: &mut Vec<Step>| {
+                    steps.extend(self.peers().map(|to| Step::Send {
+                        to,
+                        src: Region::input(off, l),
+                    }));
+                };
+                let mut steps = Vec::new();
                 for (i, &(off, l)) in chunks.iter().enumerate() {
-                    steps.push(Step::Send {
-                        to: peer,
-                        src: Region::input(off, l),
-                    });
-                    if i > 0 {
-                        let (poff, pl) = chunks[i - 1];
-                        steps.push(Step::RecvReduceCopy {
-                            from: peer,
-                            src: Region::input(poff, pl),
-                            dst: Region::output(poff, pl),
-                            post: true,
-                        });
+                    if i == 0 {
+                        send((off, l), &mut steps);
                     }
-                }
-                if let Some(&(off, l)) = chunks.last() {
-                    steps.push(Step::RecvReduceCopy {
-                        from: peer,
-                        src: Region::input(off, l),
-                        dst: Region::output(off, l),
-                        post: true,
-                    });
+                    if let Some(&next) = chunks.get(i + 1) {
+                        send(next, &mut steps);
+                    }
+                    let own = Region::input(off, l);
+                    self.fold(&slots, me, own, Region::output(off, l), &mut steps);
                 }
                 lane(c, steps)
             })
             .collect()
+    }
+
+    /// Two-shot all-reduce: like the ring, each channel walks its share in iterations of
+    /// `nranks × chunk` elements split into one piece per rank; in each, every rank sends
+    /// piece `p` to rank `p`, folds the n contributions to its own piece in rank order,
+    /// sends the result to every peer and receives theirs.
+    fn two_shot_all_reduce(&self) -> Vec<Lane> {
+        let (me, n) = (self.rank, self.nranks);
+        (0..self.channels())
+            .map(|c| {
+                let (lo, len) = split_even(self.count, self.channels(), c);
+                let per_iter = n * self.chunk;
+                // Pieces are longest in channel 0's first iteration.
+                let share = split_even(self.count, self.channels(), 0).1;
+                let slots = FoldSlots::new(c, n, split_even(per_iter.min(share), n, 0).1);
+                let mut steps = Vec::new();
+                let mut base = lo;
+                while base < lo + len {
+                    let it_len = per_iter.min(lo + len - base);
+                    let piece = |q: usize| {
+                        let (off, l) = split_even(it_len, n, q);
+                        (base + off, l)
+                    };
+                    for to in self.peers() {
+                        let (off, l) = piece(to);
+                        steps.push(Step::Send {
+                            to,
+                            src: Region::input(off, l),
+                        });
+                    }
+                    let (off, l) = piece(me);
+                    let mine = Region::output(off, l);
+                    self.fold(&slots, me, Region::input(off, l), mine, &mut steps);
+                    steps.extend(self.peers().map(|to| Step::Send { to, src: mine }));
+                    for from in self.peers() {
+                        let (off, l) = piece(from);
+                        steps.push(Step::Recv {
+                            from,
+                            dst: Region::output(off, l),
+                        });
+                    }
+                    base += it_len;
+                }
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// One-shot reduce-scatter: chunk by chunk of a block, every rank sends the chunk of
+    /// block `p` to rank `p` and folds the n contributions to its own block in rank order.
+    fn one_shot_reduce_scatter(&self) -> Vec<Lane> {
+        let (me, count) = (self.rank, self.count);
+        self.direct_lanes(|slots, off, l, steps| {
+            steps.extend(self.peers().map(|to| Step::Send {
+                to,
+                src: Region::input(to * count + off, l),
+            }));
+            let own = Region::input(me * count + off, l);
+            self.fold(slots, me, own, Region::output(off, l), steps);
+        })
+    }
+
+    /// One-shot reduce: every rank sends each chunk to the root, which folds the n
+    /// contributions in rank order.
+    fn one_shot_reduce(&self, root: usize) -> Vec<Lane> {
+        let me = self.rank;
+        self.direct_lanes(|slots, off, l, steps| {
+            let own = Region::input(off, l);
+            if me == root {
+                self.fold(slots, me, own, Region::output(off, l), steps);
+            } else {
+                steps.push(Step::Send { to: root, src: own });
+            }
+        })
+    }
+
+    /// One-shot broadcast: the root sends each chunk to every peer.
+    fn one_shot_broadcast(&self, root: usize) -> Vec<Lane> {
+        self.direct_lanes(|_, off, l, steps| {
+            let dst = Region::output(off, l);
+            if self.rank == root {
+                let src = Region::input(off, l);
+                steps.extend(self.peers().map(|to| Step::Send { to, src }));
+                steps.push(Step::Copy { src, dst });
+            } else {
+                steps.push(Step::Recv { from: root, dst });
+            }
+        })
+    }
+
+    /// One-shot all-gather: every rank sends each chunk of its block to every peer and
+    /// receives theirs into place.
+    fn one_shot_all_gather(&self) -> Vec<Lane> {
+        let (me, count) = (self.rank, self.count);
+        self.direct_lanes(|_, off, l, steps| {
+            let src = Region::input(off, l);
+            steps.extend(self.peers().map(|to| Step::Send { to, src }));
+            steps.push(Step::Copy {
+                src,
+                dst: Region::output(me * count + off, l),
+            });
+            steps.extend(self.peers().map(|from| Step::Recv {
+                from,
+                dst: Region::output(from * count + off, l),
+            }));
+        })
+    }
+
+    /// Fold slots of channel `c` for its chunks (channel 0's first chunk is the longest
+    /// of any channel, so the channels' slots never overlap).
+    fn chunk_slots(&self, c: usize) -> FoldSlots {
+        let longest = self.chunk.min(split_even(self.count, self.channels(), 0).1);
+        FoldSlots::new(c, self.nranks, longest)
+    }
+
+    /// The other ranks, in rank order starting after this one (so that ranks do not all
+    /// send to rank 0 first).
+    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (1..self.nranks).map(move |k| (self.rank + k) % self.nranks)
+    }
+
+    /// One lane per channel over the channel's chunks of a block, with the channel's
+    /// fold slots: `chunk_steps(slots, offset, len, steps)` appends one chunk's steps.
+    fn direct_lanes(
+        &self,
+        mut chunk_steps: impl FnMut(&FoldSlots, usize, usize, &mut Vec<Step>),
+    ) -> Vec<Lane> {
+        (0..self.channels())
+            .map(|c| {
+                let slots = self.chunk_slots(c);
+                let mut steps = Vec::new();
+                for (off, l) in self.block_chunks(c) {
+                    chunk_steps(&slots, off, l, &mut steps);
+                }
+                lane(c, steps)
+            })
+            .collect()
+    }
+
+    /// The rank-order fold of one range: receives every other rank's contribution to it
+    /// (into scratch), then combines `x₀ ⊕ x₁ ⊕ … ⊕ xₙ₋₁` left to right, `own` standing
+    /// for this rank's, and stores the result in `dst`. The partial sums live in scratch,
+    /// so that `dst` may be `own` (in place): it is written by the last step only.
+    fn fold(&self, slots: &FoldSlots, me: usize, own: Region, dst: Region, steps: &mut Vec<Step>) {
+        let n = self.nranks;
+        if n == 1 {
+            steps.push(Step::Copy { src: own, dst });
+            return;
+        }
+        let l = own.len;
+        let x = |j: usize| if j == me { own } else { slots.slot(j, l) };
+        let acc = slots.slot(me, l);
+        for j in 0..n {
+            if j != me {
+                steps.push(Step::Recv { from: j, dst: x(j) });
+            }
+            if j > 0 {
+                let last = j == n - 1;
+                steps.push(Step::Reduce {
+                    a: if j == 1 { x(0) } else { acc },
+                    b: x(j),
+                    dst: if last { dst } else { acc },
+                    post: last,
+                });
+            }
+        }
     }
 
     /// Tree broadcast: the root's data flows down tree 0 re-rooted at the root, chunk by

@@ -387,6 +387,13 @@ fn execute<T: Clone>(
             bufs[dst.op].write(&dst, &x)?;
             Some(x)
         }
+        Step::Reduce { a, b, dst, post } => {
+            let (a, b) = (operand(bufs, &a)?, operand(bufs, &b)?);
+            let v = combine(&dst, &a, &b);
+            let v = if post { finish(&dst, v) } else { v };
+            bufs[dst.op].write(&dst, &v)?;
+            None
+        }
         Step::Copy { src, dst } => {
             let v = operand(bufs, &src)?;
             let v = if arith[dst.op].reducing {

@@ -103,16 +103,89 @@ fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)
 }
 
+const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::Ring,
+    Algorithm::Tree,
+    Algorithm::OneShot,
+    Algorithm::TwoShot,
+];
+
 #[test]
 fn every_collective_matches_the_reference() {
     for n in 1..=8 {
         for &count in &[0usize, 1, 2, 7, 64, 1023] {
             for channels in [1, 2, 3] {
                 for chunk in [1usize, 5, 64, 4096] {
-                    let options = PlanOptions::with_channels(n, channels, chunk);
-                    for c in collectives(n) {
-                        for in_place in [false, true] {
-                            check(c, count, n, &options, in_place);
+                    for algorithm in ALGORITHMS {
+                        let options = PlanOptions::with_channels(n, channels, chunk)
+                            .with_algorithm(algorithm);
+                        for c in collectives(n) {
+                            for in_place in [false, true] {
+                                check(c, count, n, &options, in_place);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An order-sensitive "reduction" (neither commutative nor associative), so that the
+/// order in which a plan combines contributions shows in the result.
+fn ordered(a: &i64, b: &i64) -> i64 {
+    a.wrapping_mul(31).wrapping_add(*b) % 1_000_000_007
+}
+
+/// Every rank's output of reducing collective `c` under an order-sensitive reduction.
+fn ordered_outputs(c: Collective, count: usize, n: usize, options: &PlanOptions) -> Vec<Vec<i64>> {
+    let plans: Vec<Plan> = (0..n)
+        .map(|r| plan(c, count, r, n, options).unwrap())
+        .collect();
+    let mut bufs: Vec<_> = (0..n)
+        .map(|r| {
+            let (in_len, out_len) = c.buffer_lens(count, r, n);
+            vec![Buffers::separate(input_of(r, in_len), out_len, -1)]
+        })
+        .collect();
+    simulate(&plans, &mut bufs, &[Arith::reduce(ordered)]).unwrap();
+    bufs.iter().map(|b| b[0].output().to_vec()).collect()
+}
+
+#[test]
+fn every_algorithm_gives_every_rank_the_same_bits_and_direct_ones_fold_in_rank_order() {
+    for n in 1..=7 {
+        for count in [1usize, 13, 100] {
+            // The serial left fold x0 ⊕ x1 ⊕ … ⊕ x(n-1), element by element.
+            let fold = |lo: usize, len: usize| -> Vec<i64> {
+                (lo..lo + len)
+                    .map(|i| {
+                        (1..n).fold(input_of(0, lo + len)[i], |acc, r| {
+                            ordered(&acc, &input_of(r, lo + len)[i])
+                        })
+                    })
+                    .collect()
+            };
+            for channels in [1, 2] {
+                for chunk in [1usize, 4, 1000] {
+                    for algorithm in ALGORITHMS {
+                        let options = PlanOptions::with_channels(n, channels, chunk)
+                            .with_algorithm(algorithm);
+                        let all = ordered_outputs(Collective::AllReduce, count, n, &options);
+                        assert!(all.iter().all(|o| *o == all[0]), "{algorithm:?} n {n}");
+                        if algorithm.folds_in_rank_order() {
+                            assert_eq!(all[0], fold(0, count), "{algorithm:?} n {n}");
+                        }
+                        // Reduce-scatter and reduce fold in rank order with the one-shot.
+                        if algorithm == Algorithm::OneShot {
+                            let rs = ordered_outputs(Collective::ReduceScatter, count, n, &options);
+                            for (r, out) in rs.iter().enumerate() {
+                                assert_eq!(*out, fold(r * count, count), "{algorithm:?} n {n}");
+                            }
+                            let root = n / 2;
+                            let red =
+                                ordered_outputs(Collective::Reduce { root }, count, n, &options);
+                            assert_eq!(red[root], fold(0, count), "{algorithm:?} n {n}");
                         }
                     }
                 }
@@ -442,19 +515,17 @@ fn tree_reduce_uses_scratch_only_where_partial_sums_wait() {
 }
 
 #[test]
-fn one_shot_all_reduce_matches_the_reference() {
-    for channels in [1, 2] {
-        for chunk in [1usize, 3, 1000] {
-            let options =
-                PlanOptions::with_channels(2, channels, chunk).with_algorithm(Algorithm::OneShot);
-            for count in [0usize, 1, 2, 7, 64, 1023] {
-                for in_place in [false, true] {
-                    check(Collective::AllReduce, count, 2, &options, in_place);
-                }
-            }
+fn direct_algorithms_send_what_the_model_says() {
+    // One-shot: the whole buffer to each of the n-1 peers; two-shot: the ring's bytes.
+    let (n, count) = (5, 1000);
+    for (algorithm, sent) in [
+        (Algorithm::OneShot, (n - 1) * count),
+        (Algorithm::TwoShot, 2 * (n - 1) * count / n),
+    ] {
+        let options = PlanOptions::with_channels(n, 2, 64).with_algorithm(algorithm);
+        for r in 0..n {
+            let p = plan(Collective::AllReduce, count, r, n, &options).unwrap();
+            assert_eq!(p.elems_sent(), sent, "{algorithm:?} rank {r}");
         }
     }
-    // Other rank counts fall back to the ring.
-    let options = PlanOptions::with_channels(3, 1, 4).with_algorithm(Algorithm::OneShot);
-    check(Collective::AllReduce, 10, 3, &options, true);
 }

@@ -182,7 +182,8 @@ fn written_region(step: &Step) -> Option<Region> {
         | Step::RecvReduceCopy { dst, .. }
         | Step::RecvReduceCopySend { dst, .. }
         | Step::RecvCopySend { dst, .. }
-        | Step::Copy { dst, .. } => Some(dst),
+        | Step::Copy { dst, .. }
+        | Step::Reduce { dst, .. } => Some(dst),
         Step::Send { .. } | Step::RecvReduceSend { .. } => None,
     }
 }
