@@ -451,45 +451,104 @@ mod tests {
     }
 
     #[test]
-    fn every_collective_gets_a_protocol_and_only_some_an_algorithm() {
+    fn every_collective_gets_a_protocol_and_its_algorithms_compete() {
         let m = CostModel::default();
         let four = shape(4, 1);
-        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
+        let all = [
+            Algorithm::Ring,
+            Algorithm::Tree,
+            Algorithm::OneShot,
+            Algorithm::TwoShot,
+        ];
+        let pick = |c, bytes| m.best(c, bytes, four, &all, &Protocol::ALL);
+        // Small: one hand-off wins wherever the one-shot applies; the collectives with
+        // one plan keep it.
         for c in [
+            Collective::AllReduce,
             Collective::AllGather,
             Collective::ReduceScatter,
             Collective::Reduce { root: 1 },
-            Collective::AllToAll,
-            Collective::Send { peer: 1 },
+            Collective::Broadcast { root: 1 },
         ] {
-            let small = m.best(c, 8, four, &all, &Protocol::ALL);
+            let small = pick(c, 8);
             assert_eq!(
                 (small.algorithm, small.protocol),
-                (Algorithm::Ring, Protocol::LL)
+                (Algorithm::OneShot, Protocol::LL)
             );
-            let large = m.best(c, 1 << 26, four, &all, &Protocol::ALL);
-            assert_eq!(large, Choice::RING_SIMPLE, "{c:?}");
         }
-    }
-
-    #[test]
-    fn one_shot_is_for_two_ranks() {
-        let m = CostModel::default();
-        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
-        let simple = [Protocol::Simple];
-        let ar = Collective::AllReduce;
-        let pick = |bytes, s, algos: &[Algorithm]| m.best(ar, bytes, s, algos, &simple).algorithm;
-        assert_eq!(pick(8, shape(2, 1), &all), Algorithm::OneShot);
-        assert_eq!(pick(8, shape(4, 1), &all), Algorithm::Ring);
-        assert_eq!(pick(8, shape(4, 1), &[Algorithm::OneShot]), Algorithm::Ring);
+        for c in [Collective::AllToAll, Collective::Send { peer: 1 }] {
+            assert_eq!(pick(c, 8).algorithm, Algorithm::Ring, "{c:?}");
+            assert_eq!(pick(c, 1 << 26), Choice::RING_SIMPLE, "{c:?}");
+        }
+        // Large: the ring's pipeline, except all-gather, whose one-shot moves the same
+        // bytes with fewer hand-offs.
+        for c in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Reduce { root: 1 },
+            Collective::Broadcast { root: 1 },
+        ] {
+            assert_eq!(pick(c, 1 << 26), Choice::RING_SIMPLE, "{c:?}");
+        }
+        assert_eq!(
+            pick(Collective::AllGather, 1 << 26).algorithm,
+            Algorithm::OneShot
+        );
+        // All-reduce: one-shot, then two-shot, then ring as the size grows.
+        let order: Vec<Algorithm> = [8usize, 1 << 10, 16 << 10, 1 << 20, 1 << 26]
+            .iter()
+            .map(|&b| pick(Collective::AllReduce, b).algorithm)
+            .collect();
+        assert_eq!(
+            order,
+            [
+                Algorithm::OneShot,
+                Algorithm::OneShot,
+                Algorithm::TwoShot,
+                Algorithm::Ring,
+                Algorithm::Ring
+            ]
+        );
+        // An algorithm that does not apply is never picked; with none, the ring.
         let bcast = m.best(
             Collective::Broadcast { root: 0 },
             8,
-            shape(2, 1),
-            &all,
-            &simple,
+            four,
+            &[Algorithm::TwoShot],
+            &[Protocol::Simple],
         );
         assert_eq!(bcast.algorithm, Algorithm::Ring);
+    }
+
+    #[test]
+    fn direct_algorithms_trade_hand_offs_for_bytes() {
+        let m = CostModel::default();
+        let simple = [Protocol::Simple];
+        let ar = Collective::AllReduce;
+        for ranks in [2, 3, 4, 8] {
+            let s = shape(ranks, 1);
+            let t = |a: Algorithm, bytes: usize| {
+                m.time(
+                    ar,
+                    Choice {
+                        algorithm: a,
+                        protocol: Protocol::Simple,
+                    },
+                    bytes,
+                    s,
+                )
+            };
+            // One hand-off against the ring's 2(n-1) for a tiny message.
+            assert!(t(Algorithm::OneShot, 8) < t(Algorithm::TwoShot, 8));
+            // Two hand-offs against 2(n-1): the same for two ranks.
+            if ranks > 2 {
+                assert!(t(Algorithm::TwoShot, 8) < t(Algorithm::Ring, 8));
+            }
+            // The one-shot's bytes grow with n: it loses for large messages.
+            assert!(t(Algorithm::OneShot, 1 << 26) > t(Algorithm::Ring, 1 << 26));
+            let pick = m.best(ar, 8, s, &[Algorithm::Ring, Algorithm::OneShot], &simple);
+            assert_eq!(pick.algorithm, Algorithm::OneShot, "{ranks} ranks");
+        }
     }
 
     #[test]
