@@ -1,5 +1,6 @@
-//! Host reduction kernel throughput: `dst = a ⊕ b` for several element types, next to a
-//! plain copy of the same number of bytes.
+//! Host reduction kernel throughput: `dst = a ⊕ b` for several element types, with each
+//! build of the loops the CPU can run (AVX-512, AVX2, portable), next to a plain copy of
+//! the same number of bytes.
 //!
 //! Throughput is reported per byte of `dst` (one operand), so a memory-bound reduction
 //! moves three times that (two reads, one write) and a copy twice that. Sizes: 4 MiB
@@ -11,14 +12,17 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ferroccl::reduce::Kernel;
+use ferroccl::reduce::{Kernel, VectorIsa, cpu_vector_isa, limit_vector_isa};
 use ferroccl::{Element, F8E4M3, ReduceOp};
 use half::{bf16, f16};
 
 const SIZES: [(usize, &str); 2] = [(4 << 20, "4MiB"), (64 << 20, "64MiB")];
 
-/// Benchmarks `dst = a + b` for `T`, out of place and (when `in_place`) `a += b`.
-fn bench_sum<T: Element>(c: &mut Criterion, name: &str, in_place: bool) {
+/// Benchmarks `dst = a + b` for `T`, out of place and (when `in_place`) `a += b`, with
+/// the kernels limited to `isa`.
+fn bench_sum<T: Element>(c: &mut Criterion, name: &str, in_place: bool, isa: VectorIsa) {
+    limit_vector_isa(isa);
+    let name = &format!("{name}_{}", isa.name());
     let mut group = c.benchmark_group("reduce");
     group.sample_size(10);
     group.warm_up_time(Duration::from_millis(500));
@@ -82,12 +86,18 @@ fn bench_copy(c: &mut Criterion) {
 
 fn benches(c: &mut Criterion) {
     bench_copy(c);
-    bench_sum::<f32>(c, "f32", true);
-    bench_sum::<f64>(c, "f64", false);
-    bench_sum::<bf16>(c, "bf16", false);
-    bench_sum::<f16>(c, "f16", false);
-    bench_sum::<i32>(c, "i32", false);
-    bench_sum::<F8E4M3>(c, "f8e4m3", false);
+    for isa in VectorIsa::ALL.into_iter().rev() {
+        if isa > cpu_vector_isa() {
+            continue;
+        }
+        bench_sum::<f32>(c, "f32", true, isa);
+        bench_sum::<f64>(c, "f64", false, isa);
+        bench_sum::<bf16>(c, "bf16", false, isa);
+        bench_sum::<f16>(c, "f16", false, isa);
+        bench_sum::<i32>(c, "i32", false, isa);
+        bench_sum::<F8E4M3>(c, "f8e4m3", false, isa);
+    }
+    limit_vector_isa(VectorIsa::Avx512);
 }
 
 criterion_group!(reduce, benches);

@@ -12,6 +12,8 @@
  */
 #ifndef NCCL_H_
 #define NCCL_H_
+/* Defined by ferroccl's header only (NVIDIA's has no ferrocclDeterministic field). */
+#define FERROCCL_NCCL_H 1
 
 #include <limits.h>
 #include <stddef.h>
@@ -74,6 +76,13 @@ typedef struct ncclConfig_v21700 {
   int maxCTAs;
   const char* netName;
   int splitShare;
+  /* ferroccl's own field: 1 makes every reduction combine the ranks' contributions in
+   * rank order 0..n-1, so results are bitwise identical whatever algorithm, protocol,
+   * chunk size or channel count is chosen (as FERROCCL_DETERMINISTIC=1); 0 turns it off;
+   * NCCL_CONFIG_UNDEF_INT leaves the environment's choice. ferroccl reads it only from
+   * configs made with this header (it recognises their size and version), never from
+   * NVIDIA's, whose later fields sit here. */
+  int ferrocclDeterministic;
 } ncclConfig_t;
 
 #define NCCL_CONFIG_INITIALIZER {                         \
@@ -85,7 +94,8 @@ typedef struct ncclConfig_v21700 {
   NCCL_CONFIG_UNDEF_INT, /* minCTAs */                    \
   NCCL_CONFIG_UNDEF_INT, /* maxCTAs */                    \
   NCCL_CONFIG_UNDEF_PTR, /* netName */                    \
-  NCCL_CONFIG_UNDEF_INT  /* splitShare */                 \
+  NCCL_CONFIG_UNDEF_INT, /* splitShare */                 \
+  NCCL_CONFIG_UNDEF_INT  /* ferrocclDeterministic */      \
 }
 
 /* Reduction operations. Values from ncclNumOps up are made by ncclRedOpCreatePreMulSum. */

@@ -200,6 +200,18 @@ impl CommHandle {
 pub struct ConfigSettings {
     /// `blocking = 0`.
     pub nonblocking: bool,
+    /// ferroccl's `ferrocclDeterministic`, when set (configs from ferroccl's header only).
+    pub deterministic: Option<bool>,
+}
+
+impl ConfigSettings {
+    /// `config` with these settings applied.
+    pub fn apply(&self, mut config: crate::comm::CommConfig) -> crate::comm::CommConfig {
+        if let Some(on) = self.deterministic {
+            config.deterministic = on;
+        }
+        config
+    }
 }
 
 /// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` puts in every config.
@@ -208,6 +220,13 @@ const CONFIG_MAGIC: u32 = 0xcafe_beef;
 const UNDEF_INT: i32 = i32::MIN;
 /// Bytes of a config up to and including `blocking`.
 const CONFIG_MIN_SIZE: usize = 20;
+/// `sizeof(ncclConfig_t)` and `NCCL_VERSION_CODE` of ferroccl's `nccl.h`, whose config
+/// ends with `ferrocclDeterministic` at [`DETERMINISTIC_AT`]: a config with both is
+/// ferroccl's (NVIDIA's 2.21 config has this size but its own version; later ones are
+/// larger).
+const FERROCCL_CONFIG: (usize, u32) = (48, 22800);
+/// Offset of `ferrocclDeterministic`.
+const DETERMINISTIC_AT: usize = 44;
 
 /// Reads the fields ferroccl uses from an `ncclConfig_t` of any NCCL version (they
 /// only ever appended fields; `size` says how many there are). NULL means defaults.
@@ -253,5 +272,78 @@ pub unsafe fn read_config(config: *const c_void) -> Result<ConfigSettings, Failu
             ));
         }
     };
-    Ok(ConfigSettings { nonblocking })
+    // SAFETY: `size` covers `version` at offset 12 (checked above).
+    let version = unsafe { std::ptr::read_unaligned(base.add(12) as *const u32) };
+    let deterministic = if (size, version) == FERROCCL_CONFIG {
+        // SAFETY: a config of ferroccl's layout (size checked) has the field there.
+        match unsafe { std::ptr::read_unaligned(base.add(DETERMINISTIC_AT) as *const i32) } {
+            UNDEF_INT => None,
+            0 => Some(false),
+            1 => Some(true),
+            other => {
+                return Err(Failure::new(
+                    INVALID_ARGUMENT,
+                    format!("config.ferrocclDeterministic is {other}; use 0 or 1"),
+                ));
+            }
+        }
+    } else {
+        None
+    };
+    Ok(ConfigSettings {
+        nonblocking,
+        deterministic,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config of `size` bytes with `version` and `ferrocclDeterministic = value`.
+    fn config(size: usize, version: u32, value: i32) -> Vec<u64> {
+        let mut words = vec![0u64; size.div_ceil(8)];
+        let bytes = words.as_mut_ptr() as *mut u8;
+        // SAFETY: every write lies inside `words` (at least 48 bytes here).
+        unsafe {
+            std::ptr::write_unaligned(bytes as *mut usize, size);
+            std::ptr::write_unaligned(bytes.add(8) as *mut u32, CONFIG_MAGIC);
+            std::ptr::write_unaligned(bytes.add(12) as *mut u32, version);
+            std::ptr::write_unaligned(bytes.add(16) as *mut i32, UNDEF_INT);
+            std::ptr::write_unaligned(bytes.add(DETERMINISTIC_AT) as *mut i32, value);
+        }
+        words
+    }
+
+    fn read(words: &[u64]) -> Result<ConfigSettings, Failure> {
+        // SAFETY: the buffer is as large as its `size` says.
+        unsafe { read_config(words.as_ptr() as *const c_void) }
+    }
+
+    #[test]
+    fn ferroccls_deterministic_field_is_read_from_ferroccls_configs_only() {
+        let (size, version) = FERROCCL_CONFIG;
+        assert_eq!(
+            read(&config(size, version, 1)).unwrap().deterministic,
+            Some(true)
+        );
+        assert_eq!(
+            read(&config(size, version, 0)).unwrap().deterministic,
+            Some(false)
+        );
+        assert_eq!(
+            read(&config(size, version, UNDEF_INT))
+                .unwrap()
+                .deterministic,
+            None
+        );
+        let err = read(&config(size, version, 2)).unwrap_err();
+        assert!(
+            err.message.contains("ferrocclDeterministic is 2"),
+            "{err:?}"
+        );
+        // NVIDIA's 2.21 config has the same size; later ones put other fields there.
+        assert_eq!(read(&config(size, 22105, 1)).unwrap().deterministic, None);
+        assert_eq!(read(&config(96, version, 1)).unwrap().deterministic, None);
+    }
 }

@@ -333,7 +333,7 @@ fn init_rank(
         *b = c as u8;
     }
     let id = UniqueId::from_bytes(&bytes).map_err(|e| Failure::from_error(&e))?;
-    let config = CommConfig::from_env().map_err(|e| Failure::from_error(&e))?;
+    let config = settings.apply(CommConfig::from_env().map_err(|e| Failure::from_error(&e))?);
     let join = move || Communicator::init_rank_with(&id, nranks, rank, config);
     if group::in_group() {
         // Run with the other ranks' inits when the group ends.
@@ -561,7 +561,11 @@ nccl_api! {
             // SAFETY: NULL or the caller's initialised config.
             let settings = unsafe { handle::read_config(config) }?;
             let c = handle.communicator()?;
-            let out = match c.split(color, key).map_err(|e| Failure::from_error(&e))? {
+            let config = settings.apply(c.config().clone());
+            let out = match c
+                .split_with(color, key, config)
+                .map_err(|e| Failure::from_error(&e))?
+            {
                 Some(sub) => {
                     let (rank, n) = (sub.rank(), sub.size());
                     CommHandle::register(Life::Ready(sub.into()), settings.nonblocking, rank, n).1

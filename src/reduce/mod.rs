@@ -12,8 +12,10 @@
 //!
 //! The `(dtype, op)` pair is dispatched once per call to a loop monomorphised for it.
 //! The loops are portable Rust that LLVM vectorises; on x86-64 the same loops also run
-//! as an AVX2 build, and `f16` uses the F16C conversion instructions, both chosen at run
-//! time from the CPU's features (see `benches/reduce.rs` for throughput).
+//! as AVX2 and AVX-512 builds, and `f16` uses the F16C conversion instructions, chosen
+//! at run time from the CPU's features ([`vector_isa`]; `benches/reduce.rs` measures
+//! each against memcpy). Every build computes the same bits: the arithmetic is
+//! element-wise IEEE, with no fused multiply-add.
 //!
 //! # Semantics (NCCL's)
 //!
@@ -45,11 +47,82 @@ mod tests;
 mod x86;
 
 use std::ptr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 use crate::types::{DataType, Element, ReduceOp};
 
 use self::num::Arith;
+
+/// The vector instruction sets the host kernels choose from at run time, narrowest
+/// first (on other architectures than x86-64 only `Portable` exists).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum VectorIsa {
+    /// The baseline build of the loops (SSE2 on x86-64).
+    Portable,
+    /// AVX2 (with F16C conversions for `f16`): 256-bit vectors.
+    Avx2,
+    /// AVX-512 F, BW and VL: 512-bit vectors.
+    Avx512,
+}
+
+impl VectorIsa {
+    /// Every instruction set, narrowest first.
+    pub const ALL: [VectorIsa; 3] = [VectorIsa::Portable, VectorIsa::Avx2, VectorIsa::Avx512];
+
+    /// Its name (`portable`, `avx2`, `avx512`).
+    pub fn name(self) -> &'static str {
+        match self {
+            VectorIsa::Portable => "portable",
+            VectorIsa::Avx2 => "avx2",
+            VectorIsa::Avx512 => "avx512",
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => VectorIsa::Portable,
+            1 => VectorIsa::Avx2,
+            _ => VectorIsa::Avx512,
+        }
+    }
+}
+
+/// The widest instruction set the kernels may use ([`limit_vector_isa`]).
+static ISA_LIMIT: AtomicU8 = AtomicU8::new(VectorIsa::Avx512 as u8);
+
+/// Caps the instruction set the kernels use, process-wide (to compare the builds, as
+/// `benches/reduce.rs` does); the CPU's own limit still applies.
+pub fn limit_vector_isa(isa: VectorIsa) {
+    ISA_LIMIT.store(isa as u8, Ordering::Relaxed);
+}
+
+/// The widest instruction set this CPU supports for the kernels.
+pub fn cpu_vector_isa() -> VectorIsa {
+    static CPU: OnceLock<VectorIsa> = OnceLock::new();
+    *CPU.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                return VectorIsa::Avx512;
+            }
+            if has!("avx2") {
+                return VectorIsa::Avx2;
+            }
+        }
+        VectorIsa::Portable
+    })
+}
+
+/// The instruction set the kernels use now: the CPU's widest, within the limit.
+pub fn vector_isa() -> VectorIsa {
+    let limit = VectorIsa::from_u8(ISA_LIMIT.load(Ordering::Relaxed));
+    #[cfg(test)]
+    let limit = limit.min(tests::ISA_LIMIT.with(|l| l.get()));
+    cpu_vector_isa().min(limit)
+}
 
 /// The reduction, without its scalar.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,8 +323,8 @@ impl Kernel {
 }
 
 /// [`Kernel::reduce`] for one element type. One function per type keeps each small
-/// enough for LLVM to inline and vectorise all its loops; on x86-64 it runs an AVX2
-/// build of the same loops when the CPU has AVX2.
+/// enough for LLVM to inline and vectorise all its loops; on x86-64 it runs the AVX-512
+/// or AVX2 build of the same loops when the CPU has them.
 ///
 /// # Safety
 /// As [`Kernel::reduce`], in elements of `T`.
@@ -265,9 +338,13 @@ unsafe fn reduce_typed<T: Arith>(
     n: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2() {
-        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
-        return unsafe { x86::reduce_avx2(op, scalar, dst, a, b, n) };
+    match vector_isa() {
+        // SAFETY: the CPU has the instruction set (checked by `vector_isa`); the rest
+        // is the caller's contract.
+        VectorIsa::Avx512 => return unsafe { x86::reduce_avx512(op, scalar, dst, a, b, n) },
+        // SAFETY: as above.
+        VectorIsa::Avx2 => return unsafe { x86::reduce_avx2(op, scalar, dst, a, b, n) },
+        VectorIsa::Portable => {}
     }
     // SAFETY: forwarded from the caller.
     unsafe { reduce_body(op, scalar, dst, a, b, n) }
@@ -305,9 +382,13 @@ unsafe fn reduce_body<T: Arith>(
 #[inline(never)]
 unsafe fn scale_typed<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
     #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2() {
-        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
-        return unsafe { x86::scale_avx2(s, dst, src, n) };
+    match vector_isa() {
+        // SAFETY: the CPU has the instruction set (checked by `vector_isa`); the rest
+        // is the caller's contract.
+        VectorIsa::Avx512 => return unsafe { x86::scale_avx512(s, dst, src, n) },
+        // SAFETY: as above.
+        VectorIsa::Avx2 => return unsafe { x86::scale_avx2(s, dst, src, n) },
+        VectorIsa::Portable => {}
     }
     // SAFETY: forwarded from the caller.
     unsafe { scale_body(s, dst, src, n) }
@@ -330,9 +411,13 @@ unsafe fn scale_body<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
 #[inline(never)]
 unsafe fn post_typed<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
     #[cfg(target_arch = "x86_64")]
-    if x86::has_avx2() {
-        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
-        return unsafe { x86::post_avx2(nranks, buf, n) };
+    match vector_isa() {
+        // SAFETY: the CPU has the instruction set (checked by `vector_isa`); the rest
+        // is the caller's contract.
+        VectorIsa::Avx512 => return unsafe { x86::post_avx512(nranks, buf, n) },
+        // SAFETY: as above.
+        VectorIsa::Avx2 => return unsafe { x86::post_avx2(nranks, buf, n) },
+        VectorIsa::Portable => {}
     }
     // SAFETY: forwarded from the caller.
     unsafe { T::div_all(buf, n, nranks) }

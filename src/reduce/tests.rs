@@ -5,19 +5,26 @@ use super::*;
 use crate::types::{F8E4M3, F8E5M2, Scalar};
 
 thread_local! {
-    /// Set by [`on_every_path`]: makes this thread take the portable (baseline) loops
-    /// even where the CPU has AVX2 / F16C.
-    pub(super) static PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by [`on_every_path`]: the widest instruction set this thread's kernels may
+    /// use (so each build runs even where the CPU has a wider one).
+    pub(super) static ISA_LIMIT: std::cell::Cell<VectorIsa> =
+        const { std::cell::Cell::new(VectorIsa::Avx512) };
 }
 
-/// Runs `f` on the fast paths the CPU offers and again on the portable loops.
+/// Runs `f` with the kernels limited to `isa`.
+fn with_isa<R>(isa: VectorIsa, f: impl FnOnce() -> R) -> R {
+    ISA_LIMIT.with(|l| l.set(isa));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    ISA_LIMIT.with(|l| l.set(VectorIsa::Avx512));
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// Runs `f` on every build of the loops the CPU can run (AVX-512, AVX2, portable).
 fn on_every_path(f: impl Fn()) {
-    f();
-    PORTABLE.with(|p| p.set(true));
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&f));
-    PORTABLE.with(|p| p.set(false));
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
+    for isa in VectorIsa::ALL.into_iter().rev() {
+        if isa <= cpu_vector_isa() {
+            with_isa(isa, &f);
+        }
     }
 }
 
@@ -808,26 +815,36 @@ fn check_paths_agree<T: Element>() {
     };
     for op in ops {
         let k = Kernel::new(T::DTYPE, op, 3).unwrap();
-        let run = |portable: bool| -> (Vec<u8>, Vec<u8>) {
-            PORTABLE.with(|p| p.set(portable));
-            let mut out = vec![0u8; n * size];
-            let mut pre = vec![0u8; n * size];
-            // SAFETY: all buffers hold n elements of T::DTYPE and are distinct.
-            unsafe {
-                k.reduce(out.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n);
-                k.post(out.as_mut_ptr(), n);
-                k.pre(pre.as_mut_ptr(), a.as_ptr(), n);
-            }
-            PORTABLE.with(|p| p.set(false));
-            (out, pre)
+        let run = |isa: VectorIsa| -> (Vec<u8>, Vec<u8>) {
+            with_isa(isa, || {
+                let mut out = vec![0u8; n * size];
+                let mut pre = vec![0u8; n * size];
+                // SAFETY: all buffers hold n elements of T::DTYPE and are distinct.
+                unsafe {
+                    k.reduce(out.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n);
+                    k.post(out.as_mut_ptr(), n);
+                    k.pre(pre.as_mut_ptr(), a.as_ptr(), n);
+                }
+                (out, pre)
+            })
         };
-        let (fast, portable) = (run(false), run(true));
-        assert!(
-            same(&fast.0, &portable.0),
-            "{} {op:?} reduce+post",
-            T::DTYPE
-        );
-        assert!(same(&fast.1, &portable.1), "{} {op:?} pre", T::DTYPE);
+        let portable = run(VectorIsa::Portable);
+        for isa in [VectorIsa::Avx2, VectorIsa::Avx512] {
+            if isa > cpu_vector_isa() {
+                continue;
+            }
+            let fast = run(isa);
+            assert!(
+                same(&fast.0, &portable.0),
+                "{} {op:?} reduce+post, {isa:?}",
+                T::DTYPE
+            );
+            assert!(
+                same(&fast.1, &portable.1),
+                "{} {op:?} pre, {isa:?}",
+                T::DTYPE
+            );
+        }
     }
 }
 

@@ -1,9 +1,9 @@
-//! x86-64 paths chosen at run time: AVX2 builds of the generic loops (twice the vector
-//! width of the SSE2 baseline, which matters for the narrow types whose conversions
-//! are computed), and F16C hardware conversions for `f16`.
+//! x86-64 paths chosen at run time ([`super::vector_isa`]): AVX2 and AVX-512 builds of
+//! the generic loops (two and four times the vector width of the SSE2 baseline, which
+//! matters most for the narrow types whose conversions are computed), and F16C hardware
+//! conversions for `f16`.
 //!
-//! `is_x86_feature_detected!` caches its answer, so the check costs one relaxed load
-//! per call.
+//! The CPU's features are read once; a check costs two relaxed loads per call.
 
 use std::arch::x86_64::{
     __m256, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128,
@@ -13,24 +13,50 @@ use std::arch::x86_64::{
 use std::ptr;
 
 use super::num::{Arith, f16_to_f32};
-#[cfg(test)]
-use super::tests;
-use super::{Op, reduce_body, scale_body};
+use super::{Op, VectorIsa, reduce_body, scale_body};
 
-/// Whether the CPU has AVX2.
-#[inline]
-pub(super) fn has_avx2() -> bool {
-    #[cfg(test)]
-    if tests::PORTABLE.with(|p| p.get()) {
-        return false;
-    }
-    std::arch::is_x86_feature_detected!("avx2")
-}
-
-/// Whether the CPU has AVX2 and F16C (every AVX2 CPU in practice).
+/// Whether the kernels may use AVX2 and F16C (every AVX2 CPU has F16C in practice).
 #[inline]
 pub(super) fn has_f16c() -> bool {
-    has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+    super::vector_isa() >= VectorIsa::Avx2 && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// [`reduce_body`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::reduce`], in
+/// elements of `T`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn reduce_avx512<T: Arith>(
+    op: Op,
+    scalar: u64,
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { reduce_body(op, scalar, dst, a, b, n) }
+}
+
+/// [`scale_body`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::pre`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn scale_avx512<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { scale_body(s, dst, src, n) }
+}
+
+/// [`Arith::div_all`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::post`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn post_avx512<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { T::div_all(buf, n, nranks) }
 }
 
 /// [`reduce_body`] compiled for AVX2.

@@ -92,6 +92,23 @@ int main(void) {
   bad.magic = 0;
   expect_error("config without the initializer", ncclCommInitRankConfig(&c2, 1, id, 0, &bad),
                ncclInvalidArgument, "NCCL_CONFIG_INITIALIZER");
+#ifdef FERROCCL_NCCL_H
+  /* ferroccl's own config field: 0 or 1 (or unset), anything else named. */
+  ncclConfig_t det = NCCL_CONFIG_INITIALIZER;
+  det.ferrocclDeterministic = 7;
+  expect_error("ferrocclDeterministic of 7", ncclCommInitRankConfig(&c2, 1, id, 0, &det),
+               ncclInvalidArgument, "ferrocclDeterministic is 7");
+  det.ferrocclDeterministic = 1;
+  CHECK(ncclGetUniqueId(&id));
+  CHECK(ncclCommInitRankConfig(&c2, 1, id, 0, &det));
+  float d = 2;
+  CHECK(ncclAllReduce(&d, &d, 1, ncclFloat32, ncclAvg, c2, NULL));
+  if (d != 2) {
+    failures++;
+    fprintf(stderr, "deterministic 1-rank avg gave %g\n", (double)d);
+  }
+  CHECK(ncclCommDestroy(c2));
+#endif
 
   expect_error("group end without start", ncclGroupEnd(), ncclInvalidUsage, "without");
   CHECK(ncclGroupStart());
