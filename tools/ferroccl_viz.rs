@@ -4,6 +4,8 @@
 //! ferroccl-viz ring --ranks 4                    # ring all-reduce, round by round
 //! ferroccl-viz ring --ranks 4 --collective reduce_scatter
 //! ferroccl-viz tree --ranks 8                    # double binary tree all-reduce
+//! ferroccl-viz oneshot --ranks 4                 # one-shot all-reduce (also: twoshot)
+//! ferroccl-viz all-gather --ranks 4 --algorithm oneshot
 //! ferroccl-viz all-gather --ranks 4              # also: reduce-scatter, broadcast, reduce
 //! ferroccl-viz ring --ranks 4 --html ring.html   # the same as an animated page
 //! ferroccl-viz ring --ranks 4 --values 7         # random small values (seed 7)
@@ -17,8 +19,9 @@ use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::viz::{self, html};
 
 fn usage() -> &'static str {
-    "usage:\n  ferroccl-viz ring|tree|reduce-scatter|all-gather|broadcast|reduce --ranks N \
-     [--collective NAME] [--root R] [--values SEED] [--html FILE]\n  ferroccl-viz simulate \
+    "usage:\n  ferroccl-viz ring|tree|oneshot|twoshot|reduce-scatter|all-gather|broadcast|reduce \
+     --ranks N [--collective NAME] [--algorithm ring|tree|oneshot|twoshot] [--root R] \
+     [--values SEED] [--html FILE]\n  ferroccl-viz simulate \
      --topology FILE.json [--size BYTES] [--plot FILE.svg]\n  ferroccl-viz trace DIR \
      [--svg FILE] [--chrome FILE]"
 }
@@ -57,7 +60,10 @@ fn run(args: &[String]) -> Result<(), String> {
 }
 
 fn table_command(cmd: &str, args: &[String]) -> Result<(), String> {
-    let opts = viz::Options::parse(args, &["ranks", "collective", "root", "values", "html"])?;
+    let opts = viz::Options::parse(
+        args,
+        &["ranks", "collective", "algorithm", "root", "values", "html"],
+    )?;
     let get = |k: &str| opts.get(k);
     let ranks: usize = get("ranks")
         .unwrap_or("4")
@@ -73,14 +79,29 @@ fn table_command(cmd: &str, args: &[String]) -> Result<(), String> {
     let (default, algorithm) = match cmd {
         "ring" => ("all_reduce", Algorithm::Ring),
         "tree" => ("all_reduce", Algorithm::Tree),
+        "oneshot" => ("all_reduce", Algorithm::OneShot),
+        "twoshot" => ("all_reduce", Algorithm::TwoShot),
         "reduce-scatter" => ("reduce_scatter", Algorithm::Ring),
         "all-gather" => ("all_gather", Algorithm::Ring),
         "broadcast" => ("broadcast", Algorithm::Ring),
         "reduce" => ("reduce", Algorithm::Ring),
         other => return Err(format!("unknown command {other:?}")),
     };
+    let algorithm = match get("algorithm") {
+        None => algorithm,
+        Some(name) => Algorithm::named(name).ok_or_else(|| {
+            format!("unknown algorithm {name:?} (ring, tree, oneshot or twoshot)")
+        })?,
+    };
     let collective = viz::collective_named(get("collective").unwrap_or(default), root)
         .map_err(|e| e.to_string())?;
+    if !algorithm.applies_to(collective) {
+        return Err(format!(
+            "{} has no {} plan",
+            collective.name(),
+            algorithm.name()
+        ));
+    }
     let table = match get("values") {
         None => viz::step_table(collective, algorithm, ranks),
         Some(seed) => {

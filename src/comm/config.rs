@@ -386,14 +386,19 @@ fn parse_list<T: Copy + PartialEq>(
 /// naming it.
 pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
     let names = ("algorithm", "ring, tree, oneshot and twoshot");
-    parse_list(var, list, &ALL_ALGORITHMS, names, |w| match w {
-        "ring" => Word::Ours(Algorithm::Ring),
-        "tree" => Word::Ours(Algorithm::Tree),
-        "oneshot" | "one-shot" | "one_shot" => Word::Ours(Algorithm::OneShot),
-        "twoshot" | "two-shot" | "two_shot" => Word::Ours(Algorithm::TwoShot),
-        w if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => Word::NcclOnly,
-        _ => Word::Unknown,
-    })
+    parse_list(
+        var,
+        list,
+        &ALL_ALGORITHMS,
+        names,
+        |w| match Algorithm::named(w) {
+            Some(a) => Word::Ours(a),
+            None if w.starts_with("collnet") || w.starts_with("nvls") || w == "pat" => {
+                Word::NcclOnly
+            }
+            None => Word::Unknown,
+        },
+    )
 }
 
 /// Reads a protocol list in NCCL's syntax (`LL`, `Simple`, `LL,Simple`, `^LL`): the

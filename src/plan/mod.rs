@@ -552,6 +552,17 @@ impl Algorithm {
         }
     }
 
+    /// The algorithm called `name` (any case; `one-shot` and `one_shot` too), if any.
+    pub fn named(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "ring" => Some(Algorithm::Ring),
+            "tree" => Some(Algorithm::Tree),
+            "oneshot" => Some(Algorithm::OneShot),
+            "twoshot" => Some(Algorithm::TwoShot),
+            _ => None,
+        }
+    }
+
     /// Whether the algorithm combines every element's contributions in rank order
     /// `0, 1, …, n−1` (so its results are the same bits as a serial left fold, whatever
     /// the channels, chunks and protocol): the direct ones do; the ring starts each

@@ -321,6 +321,12 @@ fn run(
                 }
             }
             for (rank, d) in rec.wrote.drain(..) {
+                // The direct algorithms gather contributions into per-rank scratch slots
+                // before folding them: what a rank holds changes when the fold lands in
+                // the output.
+                if d.buf == Buf::Scratch && algorithm.folds_in_rank_order() {
+                    continue;
+                }
                 let at = positions(collective, count, rank, &d);
                 // Output, or the scratch memory a tree reduce keeps partial sums in.
                 let values = bufs[rank][0].read(&d).unwrap_or_default();
@@ -454,14 +460,13 @@ pub fn chunk_name(i: usize) -> String {
 }
 
 impl StepTable {
-    /// The algorithm as shown: ring or tree for all-reduce, broadcast and reduce, which
-    /// have a choice; the one algorithm of the others is a ring.
+    /// The algorithm as shown: the plan's, where it applies to the collective; the ring
+    /// stands for the one plan of the others.
     pub fn algorithm_label(&self) -> &'static str {
-        match self.collective {
-            Collective::AllReduce | Collective::Broadcast { .. } | Collective::Reduce { .. } => {
-                self.algorithm.name()
-            }
-            _ => "ring",
+        if self.algorithm.applies_to(self.collective) {
+            self.algorithm.name()
+        } else {
+            "ring"
         }
     }
 
