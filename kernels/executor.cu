@@ -207,6 +207,23 @@ struct FcclMoveSlice {
         }
         break;
       }
+      case FCCL_RECV_REDUCE_COPY_LOCAL_FIRST: {
+        // dst = src ⊕ x: the received contribution was pre-processed by its sender; a
+        // local contribution gets its pre-operation first (into dst).
+        T* dst = (T*)fccl_addr(*w, s->dst, skip, E);
+        const T* src = (const T*)fccl_addr(*w, s->src, skip, E);
+        const bool premul = op.redop == FCCL_OP_PREMULSUM;
+        if (premul && s->src.buf == FCCL_BUF_INPUT) {
+          fccl_pre<T>(dst, src, n, op.redop, op.scalar, tid, nthreads);
+          __syncthreads();
+          src = dst;
+        }
+        fccl_reduce<T>(dst, src, (const T*)x, n, premul ? FCCL_OP_SUM : op.redop, op.scalar, tid,
+                       nthreads);
+        __syncthreads();
+        if (s->post) fccl_post<T>(dst, n, op.redop, op.nranks, tid, nthreads);
+        break;
+      }
       case FCCL_RECV_COPY_SEND:
         fccl_copy(fccl_addr(*w, s->dst, skip, E), x, bytes, tid, nthreads);
         fccl_copy(o, x, bytes, tid, nthreads);

@@ -48,6 +48,7 @@ typedef unsigned long long uintptr_t;
 #define FCCL_RECV_COPY_SEND 6u
 #define FCCL_COPY 7u
 #define FCCL_REDUCE 8u
+#define FCCL_RECV_REDUCE_COPY_LOCAL_FIRST 9u  // dst = src ⊕ x (a rank-order fold)
 
 // Protocols (`transport::Protocol`).
 #define FCCL_SIMPLE 0u

@@ -34,7 +34,8 @@ pub struct FcclRegion {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FcclStep {
-    /// `FCCL_SEND` 0 … `FCCL_COPY` 7, `FCCL_REDUCE` 8, in [`Step`]'s order.
+    /// `FCCL_SEND` 0 … `FCCL_COPY` 7, `FCCL_REDUCE` 8 in [`Step`]'s order, and
+    /// `FCCL_RECV_REDUCE_COPY_LOCAL_FIRST` 9 (a `RecvReduceCopy` with `local_first`).
     pub kind: u32,
     /// 1 when a `RecvReduceCopy` or `Reduce` produces a final value (post-operation
     /// applies).
@@ -242,7 +243,13 @@ pub fn lay_out(plan: &Plan, protocols: &[Protocol]) -> Result<LaidOut> {
                 Step::Recv { dst, .. } => (1, None, Some(dst), false),
                 Step::CopySend { src, dst, .. } => (2, Some(src), Some(dst), false),
                 Step::RecvReduceSend { src, .. } => (3, Some(src), None, false),
-                Step::RecvReduceCopy { src, dst, post, .. } => (4, Some(src), Some(dst), post),
+                Step::RecvReduceCopy {
+                    src,
+                    dst,
+                    post,
+                    local_first,
+                    ..
+                } => (if local_first { 9 } else { 4 }, Some(src), Some(dst), post),
                 Step::RecvReduceCopySend { src, dst, .. } => (5, Some(src), Some(dst), false),
                 Step::RecvCopySend { dst, .. } => (6, None, Some(dst), false),
                 Step::Copy { src, dst } => (7, Some(src), Some(dst), false),

@@ -593,9 +593,28 @@ unsafe fn move_slice(
             Step::RecvReduceSend { src, .. } => {
                 operand_kernel(op, &src).reduce(o, x, addr(ops, &src, skip), n);
             }
-            Step::RecvReduceCopy { src, dst, post, .. } => {
+            Step::RecvReduceCopy {
+                src,
+                dst,
+                post,
+                local_first,
+                ..
+            } => {
                 let d = addr(ops, &dst, skip);
-                operand_kernel(op, &src).reduce(d, x, addr(ops, &src, skip), n);
+                let s = addr(ops, &src, skip);
+                if local_first {
+                    // `s ⊕ x`: the received contribution is already pre-processed; a
+                    // local contribution gets its pre-operation first (into `d`).
+                    let s = if src.buf == Buf::Input && k.has_pre() {
+                        k.pre(d, s, n);
+                        d
+                    } else {
+                        s
+                    };
+                    op.plain.reduce(d, s, x, n);
+                } else {
+                    operand_kernel(op, &src).reduce(d, x, s, n);
+                }
                 if post {
                     k.post(d, n);
                 }

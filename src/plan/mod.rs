@@ -149,9 +149,11 @@ pub enum Step {
         /// Local operand.
         src: Region,
     },
-    /// Receive `x` from `from` and store `x ⊕ src` in `dst` (`recvReduceCopy`). With
-    /// `post` the result is final and gets the op's post-operation (avg's division);
-    /// without, it is a partial sum that later steps add to (trees).
+    /// Receive `x` from `from` and store `x ⊕ src` in `dst` (`recvReduceCopy`), or
+    /// `src ⊕ x` with `local_first` (the direct algorithms' rank-order fold, where `src`
+    /// is the partial result of the lower ranks and `x` the next rank's contribution).
+    /// With `post` the result is final and gets the op's post-operation (avg's
+    /// division); without, it is a partial sum that later steps add to (trees, folds).
     RecvReduceCopy {
         /// Sending rank.
         from: usize,
@@ -161,6 +163,8 @@ pub enum Step {
         dst: Region,
         /// Whether the result is final.
         post: bool,
+        /// Whether the local operand comes first (`src ⊕ x`).
+        local_first: bool,
     },
     /// Receive `x`, store `x ⊕ src` in `dst` and send it to `to` (`recvReduceCopySend`).
     RecvReduceCopySend {
@@ -317,9 +321,14 @@ impl fmt::Display for Step {
                 src,
                 dst,
                 post,
+                local_first,
             } => {
                 let done = if post { " (final)" } else { "" };
-                write!(f, "recvReduceCopy {from} + {src} -> {dst}{done}")
+                if local_first {
+                    write!(f, "recvReduceCopy {src} + {from} -> {dst}{done}")
+                } else {
+                    write!(f, "recvReduceCopy {from} + {src} -> {dst}{done}")
+                }
             }
             Step::RecvReduceCopySend { from, to, src, dst } => {
                 write!(f, "recvReduceCopySend {from} + {src} -> {dst}, -> {to}")
@@ -977,6 +986,7 @@ fn tree_up(parent: Option<usize>, kids: &[usize], inp: Region, acc: Region) -> V
                     src,
                     dst: acc,
                     post: last,
+                    local_first: false,
                 },
             }
         })
@@ -988,25 +998,23 @@ fn one(step: Step) -> Lane {
     lane(0, vec![step])
 }
 
-/// Where one channel's fold keeps what it gathers: one scratch slot per rank (the
-/// fold's own slot holds its partial sums), reused for every range the lane folds.
+/// Where one channel's fold keeps its partial results: a scratch slot of its own,
+/// reused for every range the lane folds.
 struct FoldSlots {
     base: usize,
-    stride: usize,
 }
 
 impl FoldSlots {
-    /// The slots of channel `channel`, for ranges of at most `longest` elements.
-    fn new(channel: usize, nranks: usize, longest: usize) -> Self {
+    /// The slot of channel `channel`, for ranges of at most `longest` elements.
+    fn new(channel: usize, longest: usize) -> Self {
         FoldSlots {
-            base: channel * nranks * longest,
-            stride: longest,
+            base: channel * longest,
         }
     }
 
-    /// Slot `j`'s first `len` elements.
-    fn slot(&self, j: usize, len: usize) -> Region {
-        Region::scratch(self.base + j * self.stride, len)
+    /// The slot's first `len` elements.
+    fn acc(&self, len: usize) -> Region {
+        Region::scratch(self.base, len)
     }
 }
 
@@ -1069,6 +1077,7 @@ impl RingView<'_> {
                 src,
                 dst,
                 post: true,
+                local_first: false,
             },
         }
     }
@@ -1242,7 +1251,7 @@ impl Builder<'_> {
                 let per_iter = n * self.chunk;
                 // Pieces are longest in channel 0's first iteration.
                 let share = split_even(self.count, self.channels(), 0).1;
-                let slots = FoldSlots::new(c, n, split_even(per_iter.min(share), n, 0).1);
+                let slots = FoldSlots::new(c, split_even(per_iter.min(share), n, 0).1);
                 let mut steps = Vec::new();
                 let mut base = lo;
                 while base < lo + len {
@@ -1340,7 +1349,7 @@ impl Builder<'_> {
     /// of any channel, so the channels' slots never overlap).
     fn chunk_slots(&self, c: usize) -> FoldSlots {
         let longest = self.chunk.min(split_even(self.count, self.channels(), 0).1);
-        FoldSlots::new(c, self.nranks, longest)
+        FoldSlots::new(c, longest)
     }
 
     /// The other ranks, in rank order starting after this one (so that ranks do not all
@@ -1367,32 +1376,59 @@ impl Builder<'_> {
             .collect()
     }
 
-    /// The rank-order fold of one range: receives every other rank's contribution to it
-    /// (into scratch), then combines `x₀ ⊕ x₁ ⊕ … ⊕ xₙ₋₁` left to right, `own` standing
-    /// for this rank's, and stores the result in `dst`. The partial sums live in scratch,
-    /// so that `dst` may be `own` (in place): it is written by the last step only.
+    /// The rank-order fold of one range: combines every rank's contribution to it,
+    /// `x₀ ⊕ x₁ ⊕ … ⊕ xₙ₋₁` left to right, `own` standing for this rank's, and stores the
+    /// result in `dst`. Each received contribution is folded straight from the FIFO into
+    /// the partial result (kept in the lane's scratch slot, so that `dst` may be `own`,
+    /// in place: it is written by the last step only); only x₀ is copied there first
+    /// when it is neither this rank's nor followed by it.
     fn fold(&self, slots: &FoldSlots, me: usize, own: Region, dst: Region, steps: &mut Vec<Step>) {
         let n = self.nranks;
         if n == 1 {
             steps.push(Step::Copy { src: own, dst });
             return;
         }
-        let l = own.len;
-        let x = |j: usize| if j == me { own } else { slots.slot(j, l) };
-        let acc = slots.slot(me, l);
-        for j in 0..n {
-            if j != me {
-                steps.push(Step::Recv { from: j, dst: x(j) });
-            }
-            if j > 0 {
-                let last = j == n - 1;
-                steps.push(Step::Reduce {
-                    a: if j == 1 { x(0) } else { acc },
-                    b: x(j),
-                    dst: if last { dst } else { acc },
-                    post: last,
+        let acc = slots.acc(own.len);
+        // The result of combining up to rank j: the destination at the end.
+        let into = |j: usize| if j == n - 1 { dst } else { acc };
+        let first = match me {
+            0 => 1,
+            // x₀ arrives first and this rank's own comes next: one step.
+            1 => {
+                steps.push(Step::RecvReduceCopy {
+                    from: 0,
+                    src: own,
+                    dst: into(1),
+                    post: n == 2,
+                    local_first: false,
                 });
+                2
             }
+            _ => {
+                steps.push(Step::Recv { from: 0, dst: acc });
+                1
+            }
+        };
+        for j in first..n {
+            // The partial so far: this rank's contribution alone when it is x₀.
+            let partial = if j == 1 && me == 0 { own } else { acc };
+            let (post, dst) = (j == n - 1, into(j));
+            steps.push(if j == me {
+                Step::Reduce {
+                    a: partial,
+                    b: own,
+                    dst,
+                    post,
+                }
+            } else {
+                Step::RecvReduceCopy {
+                    from: j,
+                    src: partial,
+                    dst,
+                    post,
+                    local_first: true,
+                }
+            });
         }
     }
 

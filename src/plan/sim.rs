@@ -370,9 +370,19 @@ fn execute<T: Clone>(
             let own = operand(bufs, &src)?;
             Some(combine(&src, &x, &own))
         }
-        Step::RecvReduceCopy { src, dst, post, .. } => {
+        Step::RecvReduceCopy {
+            src,
+            dst,
+            post,
+            local_first,
+            ..
+        } => {
             let own = operand(bufs, &src)?;
-            let v = combine(&src, &x, &own);
+            let v = if local_first {
+                combine(&src, &own, &x)
+            } else {
+                combine(&src, &x, &own)
+            };
             let v = if post { finish(&dst, v) } else { v };
             bufs[dst.op].write(&dst, &v)?;
             None
