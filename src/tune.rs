@@ -8,7 +8,9 @@
 //! - **ring**: 2(n−1) steps of `S/n` bytes each, paced by the slowest link of the ring
 //!   (the network when `h > 1`): `2(n−1)·α + 2(n−1)/n · S/β`;
 //! - **one-shot**: each rank sends its whole buffer to each of the n−1 others in one
-//!   hand-off, and folds the n−1 it receives: `α + (n−1)·S/β + (n−1)·S/β_local`;
+//!   hand-off, and folds the n−1 it receives straight from the FIFOs: it reduces
+//!   (n−1)·S bytes where a ring rank reduces (n−1)/n·S, `α + (n−1)·S/β +
+//!   (n−1)²/n·S/β_local`;
 //! - **two-shot**: a direct reduce-scatter and a direct all-gather, two hand-offs and
 //!   the ring's bytes, plus the fold of what the reduce-scatter gathered (received into
 //!   scratch, then reduced: one more pass over it): `2α + 2(n−1)/n·S/β +
@@ -235,7 +237,9 @@ impl CostModel {
         let pace = self.pace(shape, choice.protocol);
         let n1 = n - 1.0;
         match choice.algorithm {
-            Algorithm::OneShot => pace.alpha + n1 * s / pace.beta + n1 * s / self.local.beta,
+            Algorithm::OneShot => {
+                pace.alpha + n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta
+            }
             Algorithm::TwoShot => {
                 2.0 * pace.alpha + 2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta
             }

@@ -67,9 +67,15 @@ struct State {
     /// The plan of the last single-operation call: loops that repeat one call
     /// (training steps, benchmarks) plan once.
     last_plan: Option<CachedPlan>,
+    /// Scratch memory of host calls (in words, for 8-byte alignment).
+    scratch: Vec<u64>,
     /// The device side, made by the first call on device memory.
     device: Option<crate::cuda::launch::Launcher>,
 }
+
+/// Scratch memory kept between calls (4 MiB): the direct algorithms' fold slots are a
+/// chunk per channel; a tree reduce's partial sums, as large as the call, are freed.
+const KEPT_SCRATCH_WORDS: usize = 1 << 19;
 
 /// A single-operation plan with what it was made from and what it needs.
 struct CachedPlan {
@@ -262,6 +268,7 @@ impl Communicator {
                 conns,
                 seq: 0,
                 last_plan: None,
+                scratch: Vec::new(),
                 device: None,
             }),
             splits: AtomicU64::new(0),
@@ -922,56 +929,80 @@ impl Communicator {
                 reason: why.clone(),
             });
         }
-        // `per_op`: each operation's choice and the scratch elements its plan needs.
-        let (fused, name, per_op): (_, _, Vec<(Choice, usize)>) = match raws {
+        // `per_op`: each operation's choice and the scratch elements its plan needs (an
+        // array for a single operation: a small call allocates nothing).
+        let single: [(Choice, usize); 1];
+        let group: Vec<(Choice, usize)>;
+        let (fused, name, per_op): (_, _, &[(Choice, usize)]) = match raws {
             [raw] => {
                 let cached = self.single_plan(&mut st.last_plan, raw)?;
-                (
-                    None,
-                    raw.collective.name(),
-                    vec![(cached.choice, cached.scratch_elems)],
-                )
+                single = [(cached.choice, cached.scratch_elems)];
+                (None, raw.collective.name(), &single)
             }
             _ => {
                 let (fused, choices) = self.fused_plan(raws)?;
-                let per_op = choices
+                group = choices
                     .into_iter()
                     .enumerate()
                     .map(|(i, c)| (c, fused.scratch_elems(i)))
                     .collect();
-                (Some(fused), "group", per_op)
+                (Some(fused), "group", &group)
             }
         };
-        // The scratch memory the plan asks for, 8-byte aligned for every element type;
-        // it lives until the call returns.
-        let mut scratch: Vec<Vec<u64>> = Vec::new();
-        let mut ops = Vec::with_capacity(raws.len());
-        for (raw, &(choice, elems)) in raws.iter().zip(&per_op) {
-            let (reducing, op) = raw.reduction();
-            let plain = match op {
-                ReduceOp::PreMulSum(_) => ReduceOp::Sum,
-                other => other,
-            };
-            let mut scratch_ptr = std::ptr::null_mut();
-            if elems > 0 {
-                let mut memory = vec![0u64; (elems * raw.dtype.size()).div_ceil(8)];
-                scratch_ptr = memory.as_mut_ptr() as *mut u8;
-                scratch.push(memory);
-            }
-            ops.push(OpBuffers {
-                input: raw.input,
-                output: raw.output,
-                kernel: Kernel::new(raw.dtype, op, self.nranks)?,
-                plain: Kernel::new(raw.dtype, plain, self.nranks)?,
-                reducing,
-                scratch: scratch_ptr,
-                protocol: choice.protocol,
-            });
+        // The scratch memory the plan asks for, 8-byte aligned for every element type,
+        // carved from the communicator's scratch buffer (kept between calls up to
+        // `KEPT_SCRATCH_WORDS`, so that repeated calls do not allocate).
+        let words = |(raw, &(_, elems)): (&RawCall, &(Choice, usize))| {
+            (elems * raw.dtype.size()).div_ceil(8)
+        };
+        let total: usize = raws.iter().zip(per_op).map(words).sum();
+        if st.scratch.len() < total {
+            st.scratch = vec![0u64; total];
         }
+        let mut next_scratch = st.scratch.as_mut_ptr();
+        let mut make_op =
+            |raw: &RawCall, &(choice, elems): &(Choice, usize)| -> Result<OpBuffers> {
+                let (reducing, op) = raw.reduction();
+                let plain = match op {
+                    ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+                    other => other,
+                };
+                let mut scratch = std::ptr::null_mut();
+                if elems > 0 {
+                    scratch = next_scratch as *mut u8;
+                    // SAFETY: the buffer holds `total` words, the sum of every operation's.
+                    next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
+                }
+                Ok(OpBuffers {
+                    input: raw.input,
+                    output: raw.output,
+                    kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+                    plain: Kernel::new(raw.dtype, plain, self.nranks)?,
+                    reducing,
+                    scratch,
+                    protocol: choice.protocol,
+                })
+            };
+        let one_op: [OpBuffers; 1];
+        let many_ops: Vec<OpBuffers>;
+        let ops: &[OpBuffers] = match raws {
+            [raw] => {
+                one_op = [make_op(raw, &per_op[0])?];
+                &one_op
+            }
+            _ => {
+                many_ops = raws
+                    .iter()
+                    .zip(per_op)
+                    .map(|(raw, p)| make_op(raw, p))
+                    .collect::<Result<_>>()?;
+                &many_ops
+            }
+        };
         let call = CallInfo {
             op: name,
             seq: st.seq,
-            deadline: Instant::now() + self.config.timeout,
+            timeout: self.config.timeout,
         };
         // A group shows its operations' choice when they all made the same one.
         let same = |f: fn(&Choice) -> &'static str| -> &'static str {
@@ -1002,8 +1033,10 @@ impl Communicator {
         // SAFETY: the buffers are valid as the caller promised, and the scratch memory
         // until `scratch` drops; the plan's regions stay inside them because the plan
         // was made from the same counts.
-        let result = unsafe { engine::execute(plan, &ops, &mut st.conns, &call) };
-        drop(scratch);
+        let result = unsafe { engine::execute(plan, ops, &mut st.conns, &call) };
+        if st.scratch.len() > KEPT_SCRATCH_WORDS {
+            st.scratch = Vec::new();
+        }
         if let Err(e) = &result {
             self.set_failure(match e {
                 Error::Aborted { reason, .. } => reason.clone(),
