@@ -218,7 +218,7 @@ unsafe fn run_lanes(
         // Past the first spins, the clock is read every 16th sweep only.
         if idle_sweeps <= spin_sweeps
             || (spin_sweeps > 0
-                && (idle_sweeps % 16 != 0
+                && (!idle_sweeps.is_multiple_of(16)
                     || idle_since.is_some_and(|t| t.elapsed() < DEDICATED_SPIN)))
         {
             std::hint::spin_loop();
