@@ -14,7 +14,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{ops, run_and_check};
+use common::ops;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::{Kernel, post_slice, pre_slice, reduce_slice};
@@ -120,15 +120,7 @@ fn direct_algorithms_match_the_reference_on_every_rank_count() {
                     }
                 }
             }
-            let wrong: Vec<String> = on_ranks(&comms, |comm| {
-                calls
-                    .iter()
-                    .filter_map(|&(c, dtype, op, count, in_place)| {
-                        ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .concat();
+            let wrong = common::run_calls(&comms, &calls);
             assert!(
                 wrong.is_empty(),
                 "{algorithm:?} on {n} ranks: {} wrong, e.g. {:?}",

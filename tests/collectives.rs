@@ -228,23 +228,7 @@ fn tree_all_reduce_broadcast_and_reduce_on_every_rank_count() {
                 }
             }
         }
-        let wrong: Vec<String> = std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .iter()
-                .map(|comm| {
-                    let calls = &calls;
-                    s.spawn(move || {
-                        calls
-                            .iter()
-                            .filter_map(|&(c, dtype, op, count, in_place)| {
-                                ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
-        });
+        let wrong = common::run_calls(&comms, &calls);
         assert!(
             wrong.is_empty(),
             "{n} ranks: {:?}",

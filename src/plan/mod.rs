@@ -1289,7 +1289,8 @@ impl Builder<'_> {
     /// block `p` to rank `p` and folds the n contributions to its own block in rank order.
     fn one_shot_reduce_scatter(&self) -> Vec<Lane> {
         let (me, count) = (self.rank, self.count);
-        self.direct_lanes(|slots, off, l, steps| {
+        self.lanes_by_chunk(|c, _, off, l, steps| {
+            let slots = &self.chunk_slots(c);
             steps.extend(self.peers().map(|to| Step::Send {
                 to,
                 src: Region::input(to * count + off, l),
@@ -1303,7 +1304,8 @@ impl Builder<'_> {
     /// contributions in rank order.
     fn one_shot_reduce(&self, root: usize) -> Vec<Lane> {
         let me = self.rank;
-        self.direct_lanes(|slots, off, l, steps| {
+        self.lanes_by_chunk(|c, _, off, l, steps| {
+            let slots = &self.chunk_slots(c);
             let own = Region::input(off, l);
             if me == root {
                 self.fold(slots, me, own, Region::output(off, l), steps);
@@ -1315,7 +1317,7 @@ impl Builder<'_> {
 
     /// One-shot broadcast: the root sends each chunk to every peer.
     fn one_shot_broadcast(&self, root: usize) -> Vec<Lane> {
-        self.direct_lanes(|_, off, l, steps| {
+        self.lanes_by_chunk(|_, _, off, l, steps| {
             let dst = Region::output(off, l);
             if self.rank == root {
                 let src = Region::input(off, l);
@@ -1331,7 +1333,7 @@ impl Builder<'_> {
     /// receives theirs into place.
     fn one_shot_all_gather(&self) -> Vec<Lane> {
         let (me, count) = (self.rank, self.count);
-        self.direct_lanes(|_, off, l, steps| {
+        self.lanes_by_chunk(|_, _, off, l, steps| {
             let src = Region::input(off, l);
             steps.extend(self.peers().map(|to| Step::Send { to, src }));
             steps.push(Step::Copy {
@@ -1356,24 +1358,6 @@ impl Builder<'_> {
     /// send to rank 0 first).
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
         (1..self.nranks).map(move |k| (self.rank + k) % self.nranks)
-    }
-
-    /// One lane per channel over the channel's chunks of a block, with the channel's
-    /// fold slots: `chunk_steps(slots, offset, len, steps)` appends one chunk's steps.
-    fn direct_lanes(
-        &self,
-        mut chunk_steps: impl FnMut(&FoldSlots, usize, usize, &mut Vec<Step>),
-    ) -> Vec<Lane> {
-        (0..self.channels())
-            .map(|c| {
-                let slots = self.chunk_slots(c);
-                let mut steps = Vec::new();
-                for (off, l) in self.block_chunks(c) {
-                    chunk_steps(&slots, off, l, &mut steps);
-                }
-                lane(c, steps)
-            })
-            .collect()
     }
 
     /// The rank-order fold of one range: combines every rank's contribution to it,
@@ -1437,7 +1421,7 @@ impl Builder<'_> {
     fn tree_broadcast(&self, root: usize) -> Vec<Lane> {
         let t = tree::RankTree::rooted_at(self.hosts, root);
         let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
-        self.lanes_by_chunk(|_, off, l, steps| {
+        self.lanes_by_chunk(|_, _, off, l, steps| {
             let (inp, out) = (Region::input(off, l), Region::output(off, l));
             steps.extend(tree_down(parent, kids, inp, out));
         })
@@ -1450,7 +1434,7 @@ impl Builder<'_> {
     fn tree_reduce(&self, root: usize) -> Vec<Lane> {
         let t = tree::RankTree::rooted_at(self.hosts, root);
         let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
-        self.lanes_by_chunk(|_, off, l, steps| {
+        self.lanes_by_chunk(|_, _, off, l, steps| {
             let acc = if parent.is_none() {
                 Region::output(off, l)
             } else {
@@ -1472,17 +1456,17 @@ impl Builder<'_> {
     }
 
     /// One lane per channel, built chunk by chunk over the channel's share of a block:
-    /// `chunk_steps(ring view, offset, len, steps)` appends one chunk's steps.
+    /// `chunk_steps(channel, ring view, offset, len, steps)` appends one chunk's steps.
     fn lanes_by_chunk(
         &self,
-        mut chunk_steps: impl FnMut(&RingView<'_>, usize, usize, &mut Vec<Step>),
+        mut chunk_steps: impl FnMut(usize, &RingView<'_>, usize, usize, &mut Vec<Step>),
     ) -> Vec<Lane> {
         (0..self.channels())
             .map(|c| {
                 let v = self.view(c);
                 let mut steps = Vec::new();
                 for (off, l) in self.block_chunks(c) {
-                    chunk_steps(&v, off, l, &mut steps);
+                    chunk_steps(c, &v, off, l, &mut steps);
                 }
                 lane(c, steps)
             })
@@ -1493,7 +1477,7 @@ impl Builder<'_> {
     /// that rank `r` completes block `r`.
     fn ring_reduce_scatter(&self) -> Vec<Lane> {
         let (n, count) = (self.nranks, self.count);
-        self.lanes_by_chunk(|v, off, l, steps| {
+        self.lanes_by_chunk(|_, v, off, l, steps| {
             for s in 0..n {
                 // At step s handle the block of the rank s+1 positions back, so that the
                 // last step (s = n−1) completes this rank's own block.
@@ -1508,7 +1492,7 @@ impl Builder<'_> {
     /// block then travels n−1 hops.
     fn ring_all_gather(&self) -> Vec<Lane> {
         let (n, count) = (self.nranks, self.count);
-        self.lanes_by_chunk(|v, off, l, steps| {
+        self.lanes_by_chunk(|_, v, off, l, steps| {
             let own = Region::output(self.rank * count + off, l);
             if n == 1 {
                 steps.push(Step::Copy {
@@ -1543,7 +1527,7 @@ impl Builder<'_> {
     /// Broadcast pipelined along the ring, starting at the root.
     fn ring_broadcast(&self, root: usize) -> Vec<Lane> {
         let n = self.nranks;
-        self.lanes_by_chunk(|v, off, l, steps| {
+        self.lanes_by_chunk(|_, v, off, l, steps| {
             // Distance from the root along the ring.
             let q = (v.pos + n - v.position_of(root)) % n;
             let dst = Region::output(off, l);
@@ -1573,7 +1557,7 @@ impl Builder<'_> {
     /// Reduce pipelined along the ring, ending at the root.
     fn ring_reduce(&self, root: usize) -> Vec<Lane> {
         let n = self.nranks;
-        self.lanes_by_chunk(|v, off, l, steps| {
+        self.lanes_by_chunk(|_, v, off, l, steps| {
             // Position in the chain that starts right after the root and ends at it.
             let q = (v.pos + n - v.position_of(root) + n - 1) % n;
             steps.push(v.chain_reduce_step(q, Region::input(off, l), Region::output(off, l)));

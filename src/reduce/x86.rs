@@ -21,80 +21,59 @@ pub(super) fn has_f16c() -> bool {
     super::vector_isa() >= VectorIsa::Avx2 && std::arch::is_x86_feature_detected!("f16c")
 }
 
-/// [`reduce_body`] compiled for AVX-512.
-///
-/// # Safety
-/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::reduce`], in
-/// elements of `T`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn reduce_avx512<T: Arith>(
-    op: Op,
-    scalar: u64,
-    dst: *mut T,
-    a: *const T,
-    b: *const T,
-    n: usize,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe { reduce_body(op, scalar, dst, a, b, n) }
+/// The generic loops compiled for one instruction set: `reduce`, `scale` and `post`
+/// functions whose bodies are [`reduce_body`], [`scale_body`] and [`Arith::div_all`],
+/// built with `features` enabled so that LLVM vectorises them that wide.
+macro_rules! isa_build {
+    ($features:literal, $what:literal, $reduce:ident, $scale:ident, $post:ident) => {
+        #[doc = concat!("[`reduce_body`] compiled for ", $what, ".")]
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU supports ", $what, "; otherwise as [`super::Kernel::reduce`], in")]
+        /// elements of `T`.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $reduce<T: Arith>(
+            op: Op,
+            scalar: u64,
+            dst: *mut T,
+            a: *const T,
+            b: *const T,
+            n: usize,
+        ) {
+            // SAFETY: forwarded from the caller.
+            unsafe { reduce_body(op, scalar, dst, a, b, n) }
+        }
+
+        #[doc = concat!("[`scale_body`] compiled for ", $what, ".")]
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU supports ", $what, "; otherwise as [`super::Kernel::pre`].")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $scale<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
+            // SAFETY: forwarded from the caller.
+            unsafe { scale_body(s, dst, src, n) }
+        }
+
+        #[doc = concat!("[`Arith::div_all`] compiled for ", $what, ".")]
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU supports ", $what, "; otherwise as [`super::Kernel::post`].")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $post<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
+            // SAFETY: forwarded from the caller.
+            unsafe { T::div_all(buf, n, nranks) }
+        }
+    };
 }
 
-/// [`scale_body`] compiled for AVX-512.
-///
-/// # Safety
-/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::pre`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn scale_avx512<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe { scale_body(s, dst, src, n) }
-}
-
-/// [`Arith::div_all`] compiled for AVX-512.
-///
-/// # Safety
-/// The CPU supports AVX-512 F, BW and VL; otherwise as [`super::Kernel::post`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn post_avx512<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe { T::div_all(buf, n, nranks) }
-}
-
-/// [`reduce_body`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU supports AVX2; otherwise as [`super::Kernel::reduce`], in elements of `T`.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn reduce_avx2<T: Arith>(
-    op: Op,
-    scalar: u64,
-    dst: *mut T,
-    a: *const T,
-    b: *const T,
-    n: usize,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe { reduce_body(op, scalar, dst, a, b, n) }
-}
-
-/// [`scale_body`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU supports AVX2; otherwise as [`super::Kernel::pre`], in elements of `T`.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn scale_avx2<T: Arith>(s: T, dst: *mut T, src: *const T, n: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe { scale_body(s, dst, src, n) }
-}
-
-/// [`Arith::div_all`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU supports AVX2; otherwise as [`super::Kernel::post`], in elements of `T`.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn post_avx2<T: Arith>(nranks: usize, buf: *mut T, n: usize) {
-    // SAFETY: forwarded from the caller.
-    unsafe { T::div_all(buf, n, nranks) }
-}
+isa_build!("avx2", "AVX2", reduce_avx2, scale_avx2, post_avx2);
+isa_build!(
+    "avx512f,avx512bw,avx512vl",
+    "AVX-512 F, BW and VL",
+    reduce_avx512,
+    scale_avx512,
+    post_avx512
+);
 
 /// Loads 8 `f16` (unaligned) widened to `f32`.
 ///

@@ -133,6 +133,33 @@ fn call_in_place<T: Element>(
     }
 }
 
+/// One checked call: collective, dtype, op, count, in place.
+pub type Call = (Collective, ferroccl::DataType, ReduceOp, usize, bool);
+
+/// Runs `calls` on every rank of `comms` (one thread each) with [`run_and_check`] and
+/// returns every mismatch found.
+pub fn run_calls(comms: &[Communicator], calls: &[Call]) -> Vec<String> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    calls
+                        .iter()
+                        .filter_map(|&(c, dtype, op, count, in_place)| {
+                            ferroccl::with_element_type!(dtype, T => run_and_check::<T>(comm, c, op, count, in_place)).err()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    })
+}
+
 /// Every collective with every root of `n` ranks.
 pub fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)
