@@ -355,13 +355,33 @@ impl CostModel {
     /// example "is the tree", "is LL"), if it satisfies it for 1 byte. Each choice
     /// changes once as the size grows, so a binary search finds it.
     pub fn crossover(&self, shape: Shape, below: impl Fn(Choice) -> bool) -> Option<usize> {
-        if !below(self.choose(1, shape)) {
+        self.crossover_among(shape, &[Algorithm::Ring, Algorithm::Tree], below)
+    }
+
+    /// [`CostModel::crossover`] for the all-reduce pick among `algorithms` (and every
+    /// protocol).
+    pub fn crossover_among(
+        &self,
+        shape: Shape,
+        algorithms: &[Algorithm],
+        below: impl Fn(Choice) -> bool,
+    ) -> Option<usize> {
+        let pick = |bytes| {
+            self.best(
+                Collective::AllReduce,
+                bytes,
+                shape,
+                algorithms,
+                &Protocol::ALL,
+            )
+        };
+        if !below(pick(1)) {
             return None;
         }
         let (mut lo, mut hi) = (1usize, 1usize << 40);
         while lo + 1 < hi {
             let mid = lo + (hi - lo) / 2;
-            if below(self.choose(mid, shape)) {
+            if below(pick(mid)) {
                 lo = mid;
             } else {
                 hi = mid;

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use ferroccl::Communicator;
 use ferroccl::comm::CommConfig;
-use ferroccl::plan::Algorithm;
+use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::transport::Protocol;
 use ferroccl::tune::{Choice, CostModel, LinkCost, Shape};
 
@@ -66,7 +66,7 @@ fn predict(args: &[String]) -> Result<(), String> {
         show(model.local_ll),
         show(model.net)
     );
-    let candidates: Vec<Choice> = [Algorithm::Ring, Algorithm::Tree]
+    let candidates: Vec<Choice> = Algorithm::ALL
         .into_iter()
         .flat_map(|algorithm| {
             Protocol::ALL.map(|protocol| Choice {
@@ -86,12 +86,34 @@ fn predict(args: &[String]) -> Result<(), String> {
         for &c in &candidates {
             print!(" {:>16.1}", model.all_reduce(c, bytes, shape) * 1e6);
         }
-        println!("  {}", model.choose(bytes, shape).name());
+        let pick = model.best(
+            Collective::AllReduce,
+            bytes,
+            shape,
+            &Algorithm::ALL,
+            &Protocol::ALL,
+        );
+        println!("  {}", pick.name());
         bytes *= 4;
     }
     match model.crossover(shape, |c| c.algorithm == Algorithm::Tree) {
-        Some(x) => println!("# crossover: tree below {x} bytes, ring from there"),
-        None => println!("# crossover: none (ring at every size)"),
+        Some(x) => println!("# ring or tree: tree below {x} bytes, ring from there"),
+        None => println!("# ring or tree: the ring at every size"),
+    }
+    let direct = |c: Choice| c.algorithm.folds_in_rank_order();
+    match model.crossover_among(shape, &Algorithm::ALL, direct) {
+        Some(x) => {
+            let one_shot = model
+                .crossover_among(shape, &Algorithm::ALL, |c| {
+                    c.algorithm == Algorithm::OneShot
+                })
+                .unwrap_or(1);
+            println!(
+                "# all algorithms: one-shot below {one_shot} bytes, two-shot below {x} (if it \
+                 comes between), then ring or tree"
+            );
+        }
+        None => println!("# all algorithms: no direct algorithm at any size"),
     }
     match model.crossover(shape, |c| c.protocol == Protocol::LL) {
         Some(x) => println!("# protocol: LL below {x} bytes, Simple from there"),

@@ -321,12 +321,7 @@ fn half_fifo(slots: usize, bytes: usize) -> usize {
 }
 
 /// Every algorithm ferroccl has.
-pub const ALL_ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::Ring,
-    Algorithm::Tree,
-    Algorithm::OneShot,
-    Algorithm::TwoShot,
-];
+pub const ALL_ALGORITHMS: [Algorithm; 4] = Algorithm::ALL;
 
 /// What a word of an NCCL list names.
 enum Word<T> {

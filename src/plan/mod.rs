@@ -551,6 +551,14 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm ferroccl has.
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::OneShot,
+        Algorithm::TwoShot,
+    ];
+
     /// NCCL's name (`ring`, `tree`), or ferroccl's (`oneshot`, `twoshot`).
     pub fn name(&self) -> &'static str {
         match self {
