@@ -14,7 +14,6 @@ mod common;
 
 use std::time::Duration;
 
-use common::ops;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::{Kernel, post_slice, pre_slice, reduce_slice};
@@ -23,12 +22,6 @@ use ferroccl::types::Scalar;
 use ferroccl::{Communicator, DataType, Element, ReduceOp};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
-const ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::Ring,
-    Algorithm::Tree,
-    Algorithm::OneShot,
-    Algorithm::TwoShot,
-];
 const FLOATS: [DataType; 4] = [
     DataType::Float16,
     DataType::Bfloat16,
@@ -100,26 +93,11 @@ fn direct_algorithms_match_the_reference_on_every_rank_count() {
             } else {
                 &[DataType::Float32, DataType::Int32, DataType::Float16]
             };
-            let mut calls = Vec::new();
-            for c in common::collectives(n) {
-                if !algorithm.applies_to(c) || c.root().is_some_and(|r| r != n / 2) {
-                    continue;
-                }
-                for &dtype in dtypes {
-                    let op_list = if c.is_reducing() {
-                        ops().to_vec()
-                    } else {
-                        vec![ReduceOp::Sum]
-                    };
-                    for op in op_list {
-                        for count in COUNTS {
-                            for in_place in [false, true] {
-                                calls.push((c, dtype, op, count, in_place));
-                            }
-                        }
-                    }
-                }
-            }
+            let calls: Vec<common::Call> = common::collectives(n)
+                .into_iter()
+                .filter(|&c| algorithm.applies_to(c) && c.root().is_none_or(|r| r == n / 2))
+                .flat_map(|c| common::calls_of(c, dtypes, &COUNTS))
+                .collect();
             let wrong = common::run_calls(&comms, &calls);
             assert!(
                 wrong.is_empty(),
@@ -154,7 +132,7 @@ fn all_reduce_bytes(
 #[test]
 fn every_algorithm_gives_every_rank_the_same_bits() {
     for n in [2, 3, 4, 5, 8] {
-        for algorithm in ALGORITHMS {
+        for algorithm in Algorithm::ALL {
             for protocol in Protocol::ALL {
                 let mut config = config(&[algorithm], 1 + n % 2, 32 << 10);
                 config.protocols = vec![protocol];
@@ -234,7 +212,7 @@ fn matches_serial_fold(
 fn deterministic_mode_gives_the_serial_rank_order_fold_whatever_the_choices() {
     // (algorithms allowed, protocols, channels, chunk bytes)
     let choices: [(&[Algorithm], &[Protocol], usize, usize); 6] = [
-        (&ALGORITHMS, &Protocol::ALL, 1, 64 << 10),
+        (&Algorithm::ALL, &Protocol::ALL, 1, 64 << 10),
         (&[Algorithm::OneShot], &[Protocol::LL], 2, 8 << 10),
         (&[Algorithm::OneShot], &[Protocol::Simple], 3, 64 << 10),
         (&[Algorithm::TwoShot], &[Protocol::Simple], 1, 16 << 10),
@@ -280,7 +258,7 @@ fn deterministic_mode_gives_the_serial_rank_order_fold_whatever_the_choices() {
 
 #[test]
 fn deterministic_mode_is_a_shared_setting_and_reported() {
-    let mut config = config(&ALGORITHMS, 1, 64 << 10);
+    let mut config = config(&Algorithm::ALL, 1, 64 << 10);
     config.deterministic = true;
     let comms = Communicator::init_all_with(3, config).unwrap();
     for bytes in [8, 1 << 10, 1 << 20, 1 << 27] {

@@ -64,28 +64,11 @@ fn run_grid(
 }
 
 /// The full grid for `n` ranks.
-fn grid(n: usize) -> Vec<(Collective, DataType, ReduceOp, usize, bool)> {
-    let mut calls = Vec::new();
-    for c in collectives(n) {
-        for dtype in DataType::ALL {
-            let op_list: Vec<ReduceOp> = if c.is_reducing() {
-                ops().to_vec()
-            } else {
-                vec![ReduceOp::Sum]
-            };
-            for op in op_list {
-                for count in COUNTS {
-                    for in_place in [false, true] {
-                        if in_place && c == Collective::AllToAll {
-                            continue;
-                        }
-                        calls.push((c, dtype, op, count, in_place));
-                    }
-                }
-            }
-        }
-    }
-    calls
+fn grid(n: usize) -> Vec<common::Call> {
+    collectives(n)
+        .into_iter()
+        .flat_map(|c| common::calls_of(c, &DataType::ALL, &COUNTS))
+        .collect()
 }
 
 fn check_ranks(n: usize, channels: usize) {

@@ -82,7 +82,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
-            algorithms: ALL_ALGORITHMS.to_vec(),
+            algorithms: Algorithm::ALL.to_vec(),
             deterministic: false,
             protocols: Protocol::ALL.to_vec(),
             ll_slots: 8,
@@ -320,9 +320,6 @@ fn half_fifo(slots: usize, bytes: usize) -> usize {
     slots / 2 * bytes
 }
 
-/// Every algorithm ferroccl has.
-pub const ALL_ALGORITHMS: [Algorithm; 4] = Algorithm::ALL;
-
 /// What a word of an NCCL list names.
 enum Word<T> {
     /// One of ferroccl's choices.
@@ -384,7 +381,7 @@ pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
     parse_list(
         var,
         list,
-        &ALL_ALGORITHMS,
+        &Algorithm::ALL,
         names,
         |w| match Algorithm::named(w) {
             Some(a) => Word::Ours(a),
@@ -424,7 +421,7 @@ mod tests {
         );
         assert_eq!(parse_algorithms("X", "TwoShot").unwrap(), [TwoShot]);
         assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), [Tree]);
-        assert_eq!(parse_algorithms("X", "^nvls").unwrap(), ALL_ALGORITHMS);
+        assert_eq!(parse_algorithms("X", "^nvls").unwrap(), Algorithm::ALL);
         let err = parse_algorithms("X", "^ring,tree,oneshot,twoshot")
             .unwrap_err()
             .to_string();

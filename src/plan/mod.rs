@@ -1006,6 +1006,22 @@ fn one(step: Step) -> Lane {
     lane(0, vec![step])
 }
 
+/// One iteration of a ring or two-shot channel: `len` elements from `base`, split into
+/// one piece per rank.
+struct Iteration {
+    base: usize,
+    len: usize,
+    nranks: usize,
+}
+
+impl Iteration {
+    /// Piece `q`: `(offset, len)`.
+    fn piece(&self, q: usize) -> (usize, usize) {
+        let (off, l) = split_even(self.len, self.nranks, q);
+        (self.base + off, l)
+    }
+}
+
 /// Where one channel's fold keeps its partial results: a scratch slot of its own,
 /// reused for every range the lane folds.
 struct FoldSlots {
@@ -1126,17 +1142,10 @@ impl Builder<'_> {
                 }
                 let v = self.view(c);
                 let (prev, next) = (v.prev(), v.next());
-                let per_iter = n * self.chunk;
-                let mut base = lo;
-                while base < lo + len {
-                    let it_len = per_iter.min(lo + len - base);
-                    // Piece owned by ring position q of this iteration.
-                    let piece = |q: usize| {
-                        let (off, l) = split_even(it_len, n, q);
-                        (base + off, l)
-                    };
+                for it in self.iterations(lo, len) {
                     for s in 0..=2 * (n - 1) {
-                        let (off, l) = piece(v.position_of(v.before(s)));
+                        // The piece owned by the ring position s steps back.
+                        let (off, l) = it.piece(v.position_of(v.before(s)));
                         let (src, dst) = (Region::input(off, l), Region::output(off, l));
                         steps.push(match s {
                             0 => Step::Send { to: next, src },
@@ -1159,7 +1168,6 @@ impl Builder<'_> {
                             _ => Step::Recv { from: prev, dst },
                         });
                     }
-                    base += it_len;
                 }
                 lane(c, steps)
             })
@@ -1261,32 +1269,25 @@ impl Builder<'_> {
                 let share = split_even(self.count, self.channels(), 0).1;
                 let slots = FoldSlots::new(c, split_even(per_iter.min(share), n, 0).1);
                 let mut steps = Vec::new();
-                let mut base = lo;
-                while base < lo + len {
-                    let it_len = per_iter.min(lo + len - base);
-                    let piece = |q: usize| {
-                        let (off, l) = split_even(it_len, n, q);
-                        (base + off, l)
-                    };
+                for it in self.iterations(lo, len) {
                     for to in self.peers() {
-                        let (off, l) = piece(to);
+                        let (off, l) = it.piece(to);
                         steps.push(Step::Send {
                             to,
                             src: Region::input(off, l),
                         });
                     }
-                    let (off, l) = piece(me);
+                    let (off, l) = it.piece(me);
                     let mine = Region::output(off, l);
                     self.fold(&slots, me, Region::input(off, l), mine, &mut steps);
                     steps.extend(self.peers().map(|to| Step::Send { to, src: mine }));
                     for from in self.peers() {
-                        let (off, l) = piece(from);
+                        let (off, l) = it.piece(from);
                         steps.push(Step::Recv {
                             from,
                             dst: Region::output(off, l),
                         });
                     }
-                    base += it_len;
                 }
                 lane(c, steps)
             })
@@ -1352,6 +1353,17 @@ impl Builder<'_> {
                 from,
                 dst: Region::output(from * count + off, l),
             }));
+        })
+    }
+
+    /// The iterations of `nranks × chunk` elements that a channel walks over its share
+    /// `lo..lo + len` (ring and two-shot all-reduce).
+    fn iterations(&self, lo: usize, len: usize) -> impl Iterator<Item = Iteration> {
+        let (nranks, per_iter) = (self.nranks, self.nranks * self.chunk);
+        (lo..lo + len).step_by(per_iter).map(move |base| Iteration {
+            base,
+            len: per_iter.min(lo + len - base),
+            nranks,
         })
     }
 

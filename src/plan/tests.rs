@@ -103,20 +103,13 @@ fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)
 }
 
-const ALGORITHMS: [Algorithm; 4] = [
-    Algorithm::Ring,
-    Algorithm::Tree,
-    Algorithm::OneShot,
-    Algorithm::TwoShot,
-];
-
 #[test]
 fn every_collective_matches_the_reference() {
     for n in 1..=8 {
         for &count in &[0usize, 1, 2, 7, 64, 1023] {
             for channels in [1, 2, 3] {
                 for chunk in [1usize, 5, 64, 4096] {
-                    for algorithm in ALGORITHMS {
+                    for algorithm in Algorithm::ALL {
                         let options = PlanOptions::with_channels(n, channels, chunk)
                             .with_algorithm(algorithm);
                         for c in collectives(n) {
@@ -168,7 +161,7 @@ fn every_algorithm_gives_every_rank_the_same_bits_and_direct_ones_fold_in_rank_o
             };
             for channels in [1, 2] {
                 for chunk in [1usize, 4, 1000] {
-                    for algorithm in ALGORITHMS {
+                    for algorithm in Algorithm::ALL {
                         let options = PlanOptions::with_channels(n, channels, chunk)
                             .with_algorithm(algorithm);
                         let all = ordered_outputs(Collective::AllReduce, count, n, &options);

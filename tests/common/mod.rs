@@ -136,6 +136,30 @@ fn call_in_place<T: Element>(
 /// One checked call: collective, dtype, op, count, in place.
 pub type Call = (Collective, ferroccl::DataType, ReduceOp, usize, bool);
 
+/// Every checked call of collective `c` over `dtypes` × ops (every op for reductions,
+/// sum otherwise) × `counts` × out of place and in place (where the collective has an
+/// in-place form).
+pub fn calls_of(c: Collective, dtypes: &[ferroccl::DataType], counts: &[usize]) -> Vec<Call> {
+    let op_list = if c.is_reducing() {
+        ops().to_vec()
+    } else {
+        vec![ReduceOp::Sum]
+    };
+    let mut calls = Vec::new();
+    for &dtype in dtypes {
+        for &op in &op_list {
+            for &count in counts {
+                for in_place in [false, true] {
+                    if !(in_place && c == Collective::AllToAll) {
+                        calls.push((c, dtype, op, count, in_place));
+                    }
+                }
+            }
+        }
+    }
+    calls
+}
+
 /// Runs `calls` on every rank of `comms` (one thread each) with [`run_and_check`] and
 /// returns every mismatch found.
 pub fn run_calls(comms: &[Communicator], calls: &[Call]) -> Vec<String> {
