@@ -1031,8 +1031,9 @@ impl Communicator {
             None => &st.last_plan.as_ref().expect("planned above").plan,
         };
         // SAFETY: the buffers are valid as the caller promised, and the scratch memory
-        // until `scratch` drops; the plan's regions stay inside them because the plan
-        // was made from the same counts.
+        // (the communicator's buffer, which nothing else touches or resizes until the
+        // call returns); the plan's regions stay inside them because the plan was made
+        // from the same counts.
         let result = unsafe { engine::execute(plan, ops, &mut st.conns, &call) };
         if st.scratch.len() > KEPT_SCRATCH_WORDS {
             st.scratch = Vec::new();
