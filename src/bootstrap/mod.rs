@@ -51,12 +51,17 @@ const MAX_HOST_LINGER: Duration = Duration::from_secs(10);
 pub struct BootstrapOptions {
     /// How long to wait for every rank at each rendezvous (and to reach the store).
     pub timeout: Duration,
+    /// The host this rank counts as on, instead of [`host_id`] (`FERROCCL_HOSTID`):
+    /// lets ranks that are threads of one process stand for several hosts, as tests of
+    /// the network transports do.
+    pub host_id: Option<String>,
 }
 
 impl Default for BootstrapOptions {
     fn default() -> Self {
         BootstrapOptions {
             timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
+            host_id: None,
         }
     }
 }
@@ -144,7 +149,10 @@ impl Bootstrap {
             )));
         }
         let addrs = netif::usable_addrs(netif::IfaceFilter::from_env().as_ref())?;
-        let me = PeerInfo::local(rank, world_size, addrs);
+        let mut me = PeerInfo::local(rank, world_size, addrs);
+        if let Some(id) = &options.host_id {
+            me.host_id = id.clone();
+        }
         let mut boot = Bootstrap {
             rank,
             world_size,
@@ -480,7 +488,10 @@ mod tests {
                         store,
                         rank,
                         world,
-                        &BootstrapOptions { timeout },
+                        &BootstrapOptions {
+                            timeout,
+                            ..Default::default()
+                        },
                     ))
                 })
             })
@@ -522,6 +533,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let options = BootstrapOptions {
                         timeout: Duration::from_millis(300),
+                        ..Default::default()
                     };
                     Bootstrap::new(store, rank, 4, &options).unwrap_err()
                 })
@@ -549,6 +561,7 @@ mod tests {
         let store = HashStore::new();
         let options = BootstrapOptions {
             timeout: Duration::from_millis(200),
+            ..Default::default()
         };
         let first = Bootstrap::new(Arc::new(store.clone()), 0, 2, &options).unwrap_err();
         assert!(matches!(first, Error::BootstrapTimeout { .. }));
@@ -570,6 +583,7 @@ mod tests {
         let store = HashStore::new();
         let opts = BootstrapOptions {
             timeout: Duration::from_secs(10),
+            ..Default::default()
         };
         let s1: Arc<dyn Store> = Arc::new(store.clone());
         let o1 = opts.clone();
@@ -599,6 +613,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let opts = BootstrapOptions {
                         timeout: Duration::from_secs(20),
+                        ..Default::default()
                     };
                     let boot = Bootstrap::from_unique_id(&id, rank, 4, &opts).unwrap();
                     boot.all_gather(&[rank as u8]).unwrap()

@@ -6,7 +6,7 @@ use crate::bootstrap::BootstrapOptions;
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
 use crate::transport::fifo::{Geometry, Protocol};
-use crate::transport::{Striping, TransportChoice};
+use crate::transport::{NetChoice, Striping, TransportChoice};
 
 /// Settings of a [`Communicator`](super::Communicator).
 ///
@@ -29,6 +29,8 @@ use crate::transport::{Striping, TransportChoice};
 /// | `FERROCCL_SOCKET_NTHREADS` (`NCCL_SOCKET_NTHREADS`) | `striping.threads` per TCP link | 1 |
 /// | `FERROCCL_NSOCKS_PERTHREAD` (`NCCL_NSOCKS_PERTHREAD`) | `striping.sockets_per_thread` | 1 |
 /// | `FERROCCL_BOOTSTRAP_TIMEOUT` | `bootstrap.timeout` | 300 |
+/// | `FERROCCL_NET` (`NCCL_NET`): `IB`, `Socket` | `net` | RDMA where both ranks have a device, else TCP |
+/// | `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX`, `NCCL_IB_TIMEOUT`, `NCCL_IB_RETRY_CNT`, `NCCL_IB_QPS_PER_CONNECTION` | `rdma` (feature `rdma`) | see `RdmaConfig` |
 #[derive(Clone, Debug)]
 pub struct CommConfig {
     /// Deadline of every collective: past it the call fails with
@@ -69,6 +71,11 @@ pub struct CommConfig {
     pub striping: Striping,
     /// Rendezvous settings.
     pub bootstrap: BootstrapOptions,
+    /// Which network carries traffic between hosts.
+    pub net: NetChoice,
+    /// RDMA settings (`NCCL_IB_*`).
+    #[cfg(feature = "rdma")]
+    pub rdma: crate::transport::rdma::RdmaConfig,
 }
 
 impl Default for CommConfig {
@@ -90,6 +97,9 @@ impl Default for CommConfig {
             link_timeout: Duration::from_secs(30),
             striping: Striping::default(),
             bootstrap: BootstrapOptions::default(),
+            net: NetChoice::Auto,
+            #[cfg(feature = "rdma")]
+            rdma: crate::transport::rdma::RdmaConfig::default(),
         }
     }
 }
@@ -154,6 +164,16 @@ impl CommConfig {
         };
         if let Some(v) = env_number(&["FERROCCL_LL_SLOT_SIZE"])? {
             c.ll_payload_bytes = v as usize;
+        }
+        if let Some((var, text)) = env_first(&["FERROCCL_NET", "NCCL_NET"]) {
+            c.net = NetChoice::parse(&text).map_err(|detail| Error::Env {
+                var: var.into(),
+                detail,
+            })?;
+        }
+        #[cfg(feature = "rdma")]
+        {
+            c.rdma = crate::transport::rdma::RdmaConfig::from_env()?;
         }
         if let Some((var, list)) = env_first(&["FERROCCL_ALGO", "NCCL_ALGO"]) {
             c.algorithms = parse_algorithms(var, &list)?;
@@ -274,6 +294,8 @@ impl CommConfig {
     /// Checks that the settings make sense together.
     pub fn validate(&self) -> Result<()> {
         self.geometry().validate()?;
+        #[cfg(feature = "rdma")]
+        self.rdma.validate()?;
         if let Some(ll) = self.ll_geometry() {
             ll.validate()?;
             if self.ll_payload_bytes < 64

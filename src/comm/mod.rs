@@ -234,6 +234,9 @@ impl Communicator {
                 connect_timeout: config.bootstrap.timeout,
                 link_timeout: config.link_timeout,
                 striping: config.striping,
+                net: config.net,
+                #[cfg(feature = "rdma")]
+                rdma: config.rdma.clone(),
             },
         )?;
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);

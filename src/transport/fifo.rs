@@ -314,6 +314,16 @@ impl SendEnd {
         self.shared.geometry.payload()
     }
 
+    /// The FIFO's whole segment (header and slots), for registering it with a NIC.
+    pub fn memory(&self) -> (*mut u8, usize) {
+        (self.shared.seg.as_ptr(), self.shared.seg.len())
+    }
+
+    /// Slots the receiver has consumed so far (its `tail`).
+    pub fn consumed(&self) -> u32 {
+        self.shared.tail().load(Ordering::Acquire)
+    }
+
     /// The memory the engine writes slot `counter` into.
     fn writable(&mut self, counter: u32) -> *mut u8 {
         match &mut self.staging {
@@ -405,6 +415,11 @@ impl RecvEnd {
     /// Most bytes one slot carries.
     pub fn payload(&self) -> usize {
         self.shared.geometry.payload()
+    }
+
+    /// The FIFO's whole segment (header and slots), for registering it with a NIC.
+    pub fn memory(&self) -> (*mut u8, usize) {
+        (self.shared.seg.as_ptr(), self.shared.seg.len())
     }
 
     /// The oldest published slot and its byte count, or `None` if the FIFO is empty. The

@@ -12,6 +12,7 @@
 //! | in-process | ranks that are threads of one process | heap blocks, found by name in a process-wide table |
 //! | shared memory | processes on one host | files in `/dev/shm`, mapped by both sides and unlinked as soon as both have |
 //! | [`tcp`] | ranks on different hosts (or any, when forced) | a FIFO on each side, proxy threads moving slots over one socket per channel and pair |
+//! | `rdma` (cargo feature `rdma`) | ranks on different hosts that both have an RDMA device (`NCCL_NET`) | a FIFO on each side, registered with the NIC, which writes slots straight into the peer's |
 //!
 //! [`Connections::establish`] is collective over the communicator's [`Bootstrap`]: every
 //! rank creates the FIFOs it receives on and its bell, all meet at a barrier, every rank
@@ -22,6 +23,8 @@ pub mod bell;
 pub mod cuda_ipc;
 pub mod fifo;
 pub mod liveness;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod segment;
 pub mod tcp;
 
@@ -66,6 +69,32 @@ impl TransportChoice {
     }
 }
 
+/// Which network carries traffic between hosts (`NCCL_NET`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NetChoice {
+    /// RDMA between ranks that both have a usable device (with the `rdma` feature),
+    /// TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP sockets (`NCCL_NET=Socket`).
+    Socket,
+    /// RDMA only (`NCCL_NET=IB`): a rank without a usable device fails at
+    /// initialisation, naming why.
+    Ib,
+}
+
+impl NetChoice {
+    /// Reads NCCL's names (`IB`, `Socket`, case-insensitive; empty is auto).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(NetChoice::Auto),
+            "socket" => Ok(NetChoice::Socket),
+            "ib" => Ok(NetChoice::Ib),
+            other => Err(format!("{other:?} is not one of IB, Socket")),
+        }
+    }
+}
+
 /// How to connect a communicator's ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportConfig {
@@ -84,6 +113,68 @@ pub struct TransportConfig {
     pub link_timeout: Duration,
     /// Sockets and helper threads per TCP link.
     pub striping: Striping,
+    /// Which network to use between hosts.
+    pub net: NetChoice,
+    /// RDMA settings.
+    #[cfg(feature = "rdma")]
+    pub rdma: rdma::RdmaConfig,
+}
+
+/// A link to a peer on another host, over TCP or RDMA: the engine sees the same FIFOs.
+enum NetLink {
+    Tcp(TcpLink),
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::RdmaLink),
+}
+
+impl NetLink {
+    fn ring_send(&self) {
+        match self {
+            NetLink::Tcp(l) => l.ring_send(),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.ring_send(),
+        }
+    }
+
+    fn ring_recv(&self) {
+        match self {
+            NetLink::Tcp(l) => l.ring_recv(),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.ring_recv(),
+        }
+    }
+
+    fn read_in_line(&self) {
+        match self {
+            NetLink::Tcp(l) => l.read_in_line(),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.read_in_line(),
+        }
+    }
+
+    fn stop_reading(&self) {
+        match self {
+            NetLink::Tcp(l) => l.stop_reading(),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(_) => {}
+        }
+    }
+
+    fn state(&self) -> LinkState {
+        match self {
+            NetLink::Tcp(l) => l.state(),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.state(),
+        }
+    }
+
+    fn close(&mut self, why: Closed) {
+        match self {
+            NetLink::Tcp(l) => l.close(why),
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.close(why),
+        }
+    }
 }
 
 /// A peer's state, as far as this rank can tell.
@@ -111,8 +202,11 @@ pub struct Connections {
     bell: Bell,
     peer_bells: Vec<Option<Bell>>,
     liveness: Vec<Option<Liveness>>,
-    /// `[channel index][peer]`: the TCP link, for peers reached over TCP.
-    links: Vec<Vec<Option<TcpLink>>>,
+    /// `[channel index][peer]`: the network link, for peers on other hosts.
+    links: Vec<Vec<Option<NetLink>>>,
+    /// This rank's RDMA links' device and proxy (dropped after the links are closed).
+    #[cfg(feature = "rdma")]
+    rdma: Option<rdma::RdmaNet>,
     /// A second view of this rank's bell, for [`Connections::abort_handle`].
     own_bell: Arc<Bell>,
     geometry: Geometry,
@@ -157,6 +251,8 @@ enum Path {
     InProcess,
     Shm,
     Tcp,
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    Rdma,
 }
 
 impl Connections {
@@ -185,11 +281,28 @@ impl Connections {
             )));
         }
         let hosts = config.choice.host_labels(peers);
-        let path = |a: usize, b: usize| -> Path {
+        // RDMA is tried by ranks with a peer on another host, unless TCP is asked for.
+        let wants_rdma = config.choice != TransportChoice::Tcp
+            && config.net != NetChoice::Socket
+            && (0..nranks).any(|r| hosts[r] != hosts[rank]);
+        #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
+        let mut net = NetDevice::open(config, rank, wants_rdma);
+        let mut hello = rand::random::<[u8; 8]>().to_vec();
+        hello.push(u8::from(net.usable()));
+        let rdma_flag_at = hello.len() - 1;
+        let addr_at = hello.len();
+        // Filled from the gathered hellos below, before `path` is first used.
+        let mut rdma_ranks = vec![false; nranks];
+        rdma_ranks[rank] = net.usable();
+        let path = |a: usize, b: usize, rdma_ranks: &[bool]| -> Path {
             if a == b {
                 Path::InProcess
             } else if hosts[a] != hosts[b] {
-                Path::Tcp
+                if rdma_ranks[a] && rdma_ranks[b] {
+                    Path::Rdma
+                } else {
+                    Path::Tcp
+                }
             } else if config.choice == TransportChoice::Shm || peers[a].pid != peers[b].pid {
                 Path::Shm
             } else {
@@ -202,8 +315,9 @@ impl Connections {
         };
 
         // A name space for this communicator's segments, chosen by rank 0, and every
-        // rank's TCP listening address.
-        let listener = if (0..nranks).any(|r| path(rank, r) == Path::Tcp) {
+        // rank's TCP listening address (opened whenever a peer is on another host: which
+        // of them RDMA reaches is known only once every rank has said).
+        let listener = if (0..nranks).any(|r| hosts[r] != hosts[rank]) {
             let ip = netif::listen_addr(boot.store_addr())?;
             Some(
                 TcpListener::bind(SocketAddr::new(ip, 0))
@@ -212,7 +326,6 @@ impl Connections {
         } else {
             None
         };
-        let mut hello = rand::random::<[u8; 8]>().to_vec();
         if let Some(l) = &listener {
             let addr = l
                 .local_addr()
@@ -224,13 +337,18 @@ impl Connections {
             rank: 0,
             detail: "segment name nonce is not 8 bytes".into(),
         })?;
+        for (r, bytes) in all.iter().enumerate() {
+            rdma_ranks[r] = bytes.get(rdma_flag_at).copied().unwrap_or(0) == 1;
+        }
+        net.check_everyone_has_it(config.net, &rdma_ranks, &hosts, rank)?;
+        let path = |a: usize, b: usize| path(a, b, &rdma_ranks);
         let prefix = format!(
             "ferroccl-{}-{:016x}",
             peers[0].pid,
             u64::from_le_bytes(nonce.try_into().expect("8 bytes"))
         );
         let tcp_addr = |r: usize| -> Result<SocketAddr> {
-            std::str::from_utf8(all[r].get(8..).unwrap_or_default())
+            std::str::from_utf8(all[r].get(addr_at..).unwrap_or_default())
                 .ok()
                 .and_then(|t| t.parse().ok())
                 .ok_or_else(|| Error::BootstrapData {
@@ -287,14 +405,14 @@ impl Connections {
             (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
             (0..2).map(|_| table(channels + 1, nranks)).collect();
-        let mut links: Vec<Vec<Option<TcpLink>>> = table(channels + 1, nranks);
-        // The FIFOs to and from each peer not reached over TCP (paths are symmetric), in
-        // every format: (format, channel index, peer).
+        let mut links: Vec<Vec<Option<NetLink>>> = table(channels + 1, nranks);
+        // The FIFOs to and from each peer on this host (paths are symmetric), in every
+        // format: (format, channel index, peer).
         let mut local_fifos: Vec<(Geometry, usize, usize)> = Vec::new();
         for &g in &formats {
             for ci in 0..=channels {
                 for peer in neighbours(ci) {
-                    if path(rank, peer) != Path::Tcp {
+                    if !matches!(path(rank, peer), Path::Tcp | Path::Rdma) {
                         local_fifos.push((g, ci, peer));
                     }
                 }
@@ -373,13 +491,48 @@ impl Connections {
             )?;
             sends[0][ci][peer] = Some(tx);
             recvs[0][ci][peer] = Some(rx);
-            links[ci][peer] = Some(link);
+            links[ci][peer] = Some(NetLink::Tcp(link));
         }
+        #[cfg(feature = "rdma")]
+        let rdma_net = {
+            // Collective whenever any two ranks of the job talk over RDMA.
+            let any_rdma = (0..nranks).any(|a| (0..nranks).any(|b| path(a, b) == Path::Rdma));
+            let specs: Vec<rdma::LinkSpec> = (0..=channels)
+                .flat_map(|ci| {
+                    neighbours(ci)
+                        .into_iter()
+                        .filter(|&p| path(rank, p) == Path::Rdma)
+                        .map(move |peer| rdma::LinkSpec { channel: ci, peer })
+                })
+                .collect();
+            if any_rdma {
+                let (rdma_net, ends) = rdma::RdmaNet::establish(
+                    boot,
+                    net.nic.take(),
+                    &config.rdma,
+                    config.geometry,
+                    &specs,
+                    proxy_view.clone(),
+                    config.link_timeout,
+                )?;
+                for (i, (spec, (tx, rx))) in specs.iter().zip(ends).enumerate() {
+                    sends[0][spec.channel][spec.peer] = Some(tx);
+                    recvs[0][spec.channel][spec.peer] = Some(rx);
+                    let link = rdma_net.as_ref().expect("links need the net").link(i);
+                    links[spec.channel][spec.peer] = Some(NetLink::Rdma(link));
+                }
+                rdma_net
+            } else {
+                None
+            }
+        };
         boot.barrier()?;
 
         let mut peer_bells: Vec<Option<Bell>> = (0..nranks).map(|_| None).collect();
         let mut liveness: Vec<Option<Liveness>> = (0..nranks).map(|_| None).collect();
-        for peer in (0..nranks).filter(|&r| r != rank && path(rank, r) != Path::Tcp) {
+        for peer in
+            (0..nranks).filter(|&r| r != rank && !matches!(path(rank, r), Path::Tcp | Path::Rdma))
+        {
             let seg = Segment::open(bell_kind(peer), &bell_name(peer), BELL_BYTES)?;
             peer_bells[peer] = Some(Bell::new(seg));
             liveness[peer] = Some(if peers[peer].pid == me.pid {
@@ -409,12 +562,22 @@ impl Connections {
                 .filter(|&r| r != rank && path(rank, r) == p)
                 .collect()
         };
+        if !via(Path::Tcp).is_empty()
+            && let Some(why) = &net.unusable
+        {
+            tracing::info!("rank {rank}: no RDMA ({why}); peers on other hosts use TCP");
+        }
         tracing::info!(
-            "rank {rank}: peers {:?} via shared memory, {:?} in process, {:?} via TCP \
-             ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs of {} x {} B, \
-             LL FIFOs {}",
+            "rank {rank}: peers {:?} via shared memory, {:?} in process, {:?} via RDMA{}, \
+             {:?} via TCP ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs \
+             of {} x {} B, LL FIFOs {}",
             via(Path::Shm),
             via(Path::InProcess),
+            via(Path::Rdma),
+            net.device
+                .as_deref()
+                .map(|d| format!(" ({d})"))
+                .unwrap_or_default(),
             via(Path::Tcp),
             tcp_pairs.len(),
             striping.threads,
@@ -422,12 +585,14 @@ impl Connections {
             config.geometry.slots,
             config.geometry.slot_bytes,
             match config.ll {
-                Some(g) if nranks == 1 || via(Path::Tcp).len() < nranks - 1 => format!(
-                    "of {} x {} B (between ranks of one host)",
-                    g.slots,
-                    g.payload()
-                ),
-                Some(_) => "unused (every peer is over TCP)".to_string(),
+                Some(g)
+                    if nranks == 1 || via(Path::Tcp).len() + via(Path::Rdma).len() < nranks - 1 =>
+                    format!(
+                        "of {} x {} B (between ranks of one host)",
+                        g.slots,
+                        g.payload()
+                    ),
+                Some(_) => "unused (every peer is on another host)".to_string(),
                 None => "off".to_string(),
             },
         );
@@ -441,6 +606,8 @@ impl Connections {
             peer_bells,
             liveness,
             links,
+            #[cfg(feature = "rdma")]
+            rdma: rdma_net,
             own_bell: proxy_view,
             geometry: config.geometry,
             ll: config.ll,
@@ -563,6 +730,20 @@ impl Connections {
         }
     }
 
+    /// The RDMA device port this rank uses for its peers on other hosts, if any (for
+    /// `ferroccl-topo` and logs).
+    pub fn net_device(&self) -> Option<String> {
+        #[cfg(feature = "rdma")]
+        if let Some(net) = &self.rdma {
+            let d = net.device();
+            return Some(format!(
+                "{}:{} ({}, {} Gb/s)",
+                d.name, d.port, d.link_layer, d.gbps
+            ));
+        }
+        None
+    }
+
     fn ring_peer(&self, peer: usize) {
         if peer == self.rank {
             self.bell.ring();
@@ -571,7 +752,7 @@ impl Connections {
         }
     }
 
-    fn link(&self, channel: usize, peer: usize) -> Option<&TcpLink> {
+    fn link(&self, channel: usize, peer: usize) -> Option<&NetLink> {
         let ci = self.channel_index(channel)?;
         self.links.get(ci)?.get(peer)?.as_ref()
     }
@@ -622,6 +803,86 @@ impl Connections {
         }
         for link in self.links.iter_mut().flatten().flatten() {
             link.close(why);
+        }
+    }
+}
+
+/// The RDMA device a rank opened for its peers on other hosts, or why it has none.
+struct NetDevice {
+    #[cfg(feature = "rdma")]
+    nic: Option<Arc<dyn rdma::verbs::Nic>>,
+    /// `name:port` of the device.
+    device: Option<String>,
+    /// Why there is no device (when one was wanted).
+    unusable: Option<String>,
+}
+
+impl NetDevice {
+    /// Opens this rank's device if it `wants` one (it has peers on other hosts and the
+    /// configuration allows RDMA).
+    fn open(config: &TransportConfig, rank: usize, wants: bool) -> Self {
+        let mut d = NetDevice {
+            #[cfg(feature = "rdma")]
+            nic: None,
+            device: None,
+            unusable: None,
+        };
+        if !wants {
+            return d;
+        }
+        #[cfg(feature = "rdma")]
+        match rdma::open_nic(&config.rdma, rank) {
+            Ok(nic) => {
+                let dev = nic.device();
+                d.device = Some(format!(
+                    "{}:{} ({}, {} Gb/s)",
+                    dev.name, dev.port, dev.link_layer, dev.gbps
+                ));
+                d.nic = Some(nic);
+            }
+            Err(why) => d.unusable = Some(why),
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (config, rank);
+            d.unusable = Some("ferroccl was built without the `rdma` feature".into());
+        }
+        d
+    }
+
+    fn usable(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// With `NCCL_NET=IB`, fails unless every rank with a peer on another host has a
+    /// device (every rank reaches the same verdict, from the gathered flags).
+    fn check_everyone_has_it(
+        &self,
+        choice: NetChoice,
+        rdma_ranks: &[bool],
+        hosts: &[usize],
+        rank: usize,
+    ) -> Result<()> {
+        if choice != NetChoice::Ib {
+            return Ok(());
+        }
+        let lacking =
+            (0..hosts.len()).find(|&r| hosts.iter().any(|&h| h != hosts[r]) && !rdma_ranks[r]);
+        match lacking {
+            None => Ok(()),
+            Some(r) => Err(Error::invalid(format!(
+                "NCCL_NET=IB, but rank {r} has no usable RDMA device{}",
+                if r == rank {
+                    format!(
+                        ": {}",
+                        self.unusable
+                            .as_deref()
+                            .unwrap_or("TCP was forced (FERROCCL_TRANSPORT=tcp)")
+                    )
+                } else {
+                    String::new()
+                }
+            ))),
         }
     }
 }

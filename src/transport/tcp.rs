@@ -304,8 +304,8 @@ fn private_bell(tag: &str) -> Result<Bell> {
     Ok(Bell::new(seg))
 }
 
-/// Two ends of one local FIFO.
-fn local_fifo(geometry: Geometry, tag: &str) -> Result<(SendEnd, RecvEnd)> {
+/// Two ends of one local FIFO (for the network transports' proxies).
+pub(super) fn local_fifo(geometry: Geometry, tag: &str) -> Result<(SendEnd, RecvEnd)> {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let name = format!(
         "ferroccl-tcpfifo-{}-{tag}-{}",

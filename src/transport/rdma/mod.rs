@@ -1,0 +1,1175 @@
+//! The RDMA transport (cargo feature `rdma`): the same FIFOs as over shared memory and
+//! TCP, moved between hosts by the NIC.
+//!
+//! For each (channel, peer) pair that crosses hosts there is one *link*: a FIFO on each
+//! side, both registered with the NIC, and `NCCL_IB_QPS_PER_CONNECTION` reliable
+//! connected queue pairs (their endpoints and the FIFOs' addresses and keys exchanged
+//! through the bootstrap store).
+//! - **Data.** After the engine commits a slot, the committing thread posts one RDMA
+//!   write per queue pair (the slot cut into stripes as over TCP) straight from the
+//!   slot of its outgoing FIFO into the same slot of the peer's incoming FIFO: no copy
+//!   on either side. The write carries immediate data, the slot's sequence number
+//!   (mod 64) and byte count, so it completes on the receiver, which publishes the slot
+//!   once every queue pair delivered its stripe.
+//! - **Credits.** After the engine releases slots of an incoming FIFO, the releasing
+//!   thread posts a write with immediate data carrying the FIFO's `tail` (mod 2³⁰) on
+//!   queue pair 0. The sender hands a slot back to its engine once the peer has
+//!   consumed it *and* this side's NIC has finished reading it (its write completed).
+//!   Flow control is therefore the FIFO's own: a sender writes slot `k` only after the
+//!   peer's engine released slot `k − slots`.
+//! - **Completions** land on one completion queue per rank, polled by the engine in
+//!   line while it waits for a peer (as the TCP links are read in line) and otherwise by
+//!   one proxy thread per rank, which sleeps on the queue's completion channel.
+//! - **Closing** sends a write with immediate data carrying the cause on every queue
+//!   pair (after the data already posted, which the queue pair delivers first); a link
+//!   is closed once every queue pair delivered it, as over TCP.
+//! - **Failures**: a completion with an error status (a queue pair in the error state,
+//!   a remote access error, the transport retry counter exceeded) breaks the link, and
+//!   the engine reports the peer as unreachable, naming it. A peer that vanishes while
+//!   nothing is sent to it is found by a probe (a write of no bytes, which the peer's
+//!   CPU never sees) every third of the link timeout: its queue pair no longer answers,
+//!   and the probe fails with retry-exceeded after the transport timeout.
+//!
+//! The verbs are reached through one narrow interface ([`verbs::Nic`]), so the
+//! transport runs unchanged over libibverbs ([`ibv`]) and over the in-process fabric the
+//! tests use ([`sim`]).
+
+pub mod ibv;
+pub mod sim;
+pub mod verbs;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::bell::{Bell, Closed};
+use super::fifo::{DATA_OFFSET, Geometry, RecvEnd, SendEnd};
+use super::tcp::{LinkState, local_fifo, stripe};
+use crate::bootstrap::Bootstrap;
+use crate::comm::config::env_first;
+use crate::error::{Error, Result};
+use crate::lock;
+use crate::store::wire::{Cursor, Writer};
+use verbs::{Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, Region, Remote};
+
+/// Largest slot an RDMA link carries: the byte count travels in 24 bits of the
+/// immediate data.
+pub const MAX_SLOT_BYTES: usize = (1 << 24) - 64;
+/// Most queue pairs per link (`NCCL_IB_QPS_PER_CONNECTION`, NCCL's limit).
+pub const MAX_QPS_PER_CONNECTION: usize = 128;
+/// How long a closing rank waits for its writes in flight to complete.
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// RDMA settings (NCCL's variable names where they mean the same).
+#[derive(Clone)]
+pub struct RdmaConfig {
+    /// Where the verbs come from: `None` is libibverbs; tests give a
+    /// [`sim::SimFabric`].
+    pub provider: Option<Arc<dyn Provider>>,
+    /// Which device ports to use (`NCCL_IB_HCA`): see [`HcaFilter`].
+    pub hca: Option<HcaFilter>,
+    /// GID table index (`NCCL_IB_GID_INDEX`, default 0).
+    pub gid_index: u8,
+    /// ACK timeout exponent, 4.096 µs × 2^timeout (`NCCL_IB_TIMEOUT`, 1–31, default 20).
+    pub timeout: u8,
+    /// Transport retries (`NCCL_IB_RETRY_CNT`, 0–7, default 7).
+    pub retry_cnt: u8,
+    /// Queue pairs per link, each carrying a stripe of every slot
+    /// (`NCCL_IB_QPS_PER_CONNECTION`, 1–128, default 1).
+    pub qps_per_connection: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            provider: None,
+            hca: None,
+            gid_index: 0,
+            timeout: 20,
+            retry_cnt: 7,
+            qps_per_connection: 1,
+        }
+    }
+}
+
+impl std::fmt::Debug for RdmaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaConfig")
+            .field(
+                "provider",
+                &self.provider.as_ref().map_or("libibverbs", |_| "custom"),
+            )
+            .field("hca", &self.hca)
+            .field("gid_index", &self.gid_index)
+            .field("timeout", &self.timeout)
+            .field("retry_cnt", &self.retry_cnt)
+            .field("qps_per_connection", &self.qps_per_connection)
+            .finish()
+    }
+}
+
+impl PartialEq for RdmaConfig {
+    fn eq(&self, other: &Self) -> bool {
+        let same_provider = match (&self.provider, &other.provider) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        same_provider
+            && self.hca == other.hca
+            && (
+                self.gid_index,
+                self.timeout,
+                self.retry_cnt,
+                self.qps_per_connection,
+            ) == (
+                other.gid_index,
+                other.timeout,
+                other.retry_cnt,
+                other.qps_per_connection,
+            )
+    }
+}
+
+impl Eq for RdmaConfig {}
+
+/// Reads an integer variable in `range`, naming it in errors.
+fn env_int(name: &str, range: std::ops::RangeInclusive<u64>) -> Result<Option<u64>> {
+    let Some((var, text)) = env_first(&[name]) else {
+        return Ok(None);
+    };
+    match text.trim().parse::<u64>() {
+        Ok(v) if range.contains(&v) => Ok(Some(v)),
+        _ => Err(Error::Env {
+            var: var.into(),
+            detail: format!(
+                "{text:?} is not a whole number in {}..={}",
+                range.start(),
+                range.end()
+            ),
+        }),
+    }
+}
+
+impl RdmaConfig {
+    /// Defaults with `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX`, `NCCL_IB_TIMEOUT`,
+    /// `NCCL_IB_RETRY_CNT` and `NCCL_IB_QPS_PER_CONNECTION` applied.
+    pub fn from_env() -> Result<Self> {
+        let mut c = RdmaConfig::default();
+        if let Some((var, text)) = env_first(&["NCCL_IB_HCA"]) {
+            c.hca = Some(HcaFilter::parse(&text).map_err(|detail| Error::Env {
+                var: var.into(),
+                detail,
+            })?);
+        }
+        if let Some(v) = env_int("NCCL_IB_GID_INDEX", 0..=255)? {
+            c.gid_index = v as u8;
+        }
+        if let Some(v) = env_int("NCCL_IB_TIMEOUT", 1..=31)? {
+            c.timeout = v as u8;
+        }
+        if let Some(v) = env_int("NCCL_IB_RETRY_CNT", 0..=7)? {
+            c.retry_cnt = v as u8;
+        }
+        if let Some(v) = env_int(
+            "NCCL_IB_QPS_PER_CONNECTION",
+            1..=MAX_QPS_PER_CONNECTION as u64,
+        )? {
+            c.qps_per_connection = v as usize;
+        }
+        Ok(c)
+    }
+
+    /// Checks the values (set in code rather than read from the environment).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, v: u64, range: &str| {
+            Err(Error::invalid(format!("RDMA {what} {v} is not in {range}")))
+        };
+        if !(1..=31).contains(&self.timeout) {
+            return bad("timeout (NCCL_IB_TIMEOUT)", self.timeout.into(), "1..=31");
+        }
+        if self.retry_cnt > 7 {
+            return bad(
+                "retry count (NCCL_IB_RETRY_CNT)",
+                self.retry_cnt.into(),
+                "0..=7",
+            );
+        }
+        if !(1..=MAX_QPS_PER_CONNECTION).contains(&self.qps_per_connection) {
+            return bad(
+                "queue pairs per connection (NCCL_IB_QPS_PER_CONNECTION)",
+                self.qps_per_connection as u64,
+                "1..=128",
+            );
+        }
+        Ok(())
+    }
+
+    /// The settings of every queue pair of a link carrying FIFOs of `slots` slots.
+    fn qp_options(&self, slots: usize) -> QpOptions {
+        // Per queue pair at most `slots` data writes and `slots` credits are in flight,
+        // plus a close and a probe; as many receives are consumed.
+        let depth = 2 * slots as u32 + 4;
+        QpOptions {
+            max_send: depth,
+            max_recv: depth,
+            timeout: self.timeout,
+            retry_cnt: self.retry_cnt,
+            gid_index: self.gid_index,
+        }
+    }
+}
+
+/// `NCCL_IB_HCA`: which device ports to use, as in NCCL. A comma-separated list of
+/// `name[:port]`; names match as prefixes unless the list starts with `=` (exact), and
+/// a leading `^` excludes the listed ports instead (`^=mlx5_1` excludes exactly
+/// `mlx5_1`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HcaFilter {
+    /// Exclude the listed ports instead of selecting them.
+    pub exclude: bool,
+    /// Names match exactly instead of as prefixes.
+    pub exact: bool,
+    /// `(name, port)` pairs; no port means every port.
+    pub entries: Vec<(String, Option<u8>)>,
+}
+
+impl HcaFilter {
+    /// Parses NCCL's syntax; an error says what is wrong.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let mut rest = text.trim();
+        let exclude = rest.starts_with('^');
+        if exclude {
+            rest = &rest[1..];
+        }
+        let exact = rest.starts_with('=');
+        if exact {
+            rest = &rest[1..];
+        }
+        let mut entries = Vec::new();
+        for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, port) = match item.split_once(':') {
+                Some((n, p)) => {
+                    let port =
+                        p.parse::<u8>().ok().filter(|&p| p > 0).ok_or_else(|| {
+                            format!("port {p:?} of {n:?} is not a number in 1..=255")
+                        })?;
+                    (n, Some(port))
+                }
+                None => (item, None),
+            };
+            if name.is_empty() {
+                return Err(format!("{item:?} has no device name"));
+            }
+            entries.push((name.to_string(), port));
+        }
+        if entries.is_empty() {
+            return Err(format!("{text:?} lists no device"));
+        }
+        Ok(HcaFilter {
+            exclude,
+            exact,
+            entries,
+        })
+    }
+
+    /// Whether `device` may be used.
+    pub fn allows(&self, device: &DeviceInfo) -> bool {
+        let listed = self.entries.iter().any(|(name, port)| {
+            let name_ok = if self.exact {
+                device.name == *name
+            } else {
+                device.name.starts_with(name.as_str())
+            };
+            name_ok && port.is_none_or(|p| p == device.port)
+        });
+        listed != self.exclude
+    }
+}
+
+/// Opens the device port this rank will use: the first the provider lists that
+/// `NCCL_IB_HCA` allows. `Err` says why there is none (no libibverbs, no device, all
+/// excluded, the port would not open).
+pub fn open_nic(config: &RdmaConfig, owner: usize) -> std::result::Result<Arc<dyn Nic>, String> {
+    let provider: Arc<dyn Provider> = match &config.provider {
+        Some(p) => p.clone(),
+        None => Arc::new(ibv::Libibverbs::load()?),
+    };
+    let devices = provider
+        .devices()
+        .map_err(|e| format!("no RDMA device: listing devices failed: {e}"))?;
+    if devices.is_empty() {
+        return Err("no RDMA device found".into());
+    }
+    let allowed: Vec<&DeviceInfo> = devices
+        .iter()
+        .filter(|d| config.hca.as_ref().is_none_or(|f| f.allows(d)))
+        .collect();
+    let Some(device) = allowed.first() else {
+        let names: Vec<String> = devices
+            .iter()
+            .map(|d| format!("{}:{}", d.name, d.port))
+            .collect();
+        return Err(format!(
+            "NCCL_IB_HCA={:?} allows none of the RDMA devices {names:?}",
+            config.hca
+        ));
+    };
+    provider
+        .open(device, owner)
+        .map_err(|e| format!("opening RDMA device {}:{}: {e}", device.name, device.port))
+}
+
+// Immediate data: 2 bits of kind, 30 of value.
+const KIND_SHIFT: u32 = 30;
+const VALUE_MASK: u32 = (1 << KIND_SHIFT) - 1;
+const KIND_DATA: u32 = 0;
+const KIND_CREDIT: u32 = 1;
+const KIND_CLOSE: u32 = 2;
+/// Data: 6 bits of slot sequence number, 24 of byte count.
+const LEN_BITS: u32 = 24;
+const SEQ_MASK: u64 = 63;
+
+fn data_imm(slot: u64, len: usize) -> u32 {
+    ((slot & SEQ_MASK) as u32) << LEN_BITS | len as u32
+}
+
+// Work request ids: link index << 16 | queue pair index << 8 | what.
+const WR_DATA: u64 = 1;
+const WR_CREDIT: u64 = 2;
+const WR_CLOSE: u64 = 3;
+const WR_PROBE: u64 = 4;
+const WR_RECV: u64 = 5;
+
+fn wr_id(link: usize, qp: usize, what: u64) -> u64 {
+    (link as u64) << 16 | (qp as u64) << 8 | what
+}
+
+/// The sending side of a link, as the posting threads share it.
+struct Outgoing {
+    /// The proxy's view of the engine's outgoing FIFO.
+    fifo: RecvEnd,
+    /// Slots whose writes are posted on every queue pair.
+    posted: u64,
+    /// Per queue pair: data writes completed (they complete in order).
+    written: Vec<u64>,
+    /// Slots the peer has consumed (its `tail`, from credits).
+    credited: u64,
+    /// Slots handed back to the engine.
+    released: u64,
+    /// Writes posted and not completed (data, close, probe).
+    in_flight: usize,
+}
+
+/// The receiving side of a link.
+struct Incoming {
+    /// The writer's view of the engine's incoming FIFO.
+    fifo: SendEnd,
+    /// Per queue pair: stripes received.
+    received: Vec<u64>,
+    /// Byte count of each slot being received, by slot number modulo the slot count.
+    lens: Vec<usize>,
+    /// Slots published to the engine.
+    committed: u64,
+    /// The `tail` last sent as a credit.
+    credit_sent: u32,
+    /// Credits posted and not completed.
+    credits_in_flight: usize,
+    /// Per queue pair: whether the peer's close arrived, and its cause.
+    closed: Vec<bool>,
+}
+
+/// One link's state, shared by the engine, the proxy and the poller.
+struct LinkShared {
+    peer: usize,
+    qpns: Vec<u32>,
+    geometry: Geometry,
+    out_region: Region,
+    in_region: Region,
+    /// The peer's incoming FIFO (start of its segment).
+    remote: Remote,
+    out: Mutex<Outgoing>,
+    inc: Mutex<Incoming>,
+    state: Mutex<LinkState>,
+    /// Set once this side closed (later flushes are expected).
+    closing: AtomicBool,
+    probe_in_flight: AtomicBool,
+}
+
+impl LinkShared {
+    fn set_state(&self, s: LinkState) -> bool {
+        let mut st = lock(&self.state);
+        if *st == LinkState::Up {
+            *st = s;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Shared by every link of a rank, its proxy and the engine.
+struct NetShared {
+    rank: usize,
+    nic: Arc<dyn Nic>,
+    links: Vec<LinkShared>,
+    rank_bell: Arc<Bell>,
+    stop: AtomicBool,
+    /// Held while polling the completion queue (completions are handled in order).
+    polling: Mutex<Vec<Completion>>,
+    probe_every: Duration,
+}
+
+impl NetShared {
+    fn fail(&self, link: &LinkShared, what: String) {
+        if link.set_state(LinkState::Broken(what.clone())) {
+            tracing::info!(
+                "rank {}: RDMA link to rank {} broke: {what}",
+                self.rank,
+                link.peer
+            );
+        }
+        self.rank_bell.ring_always();
+    }
+
+    /// Polls the completion queue until it is empty; `wait_for_lock` decides whether to
+    /// wait for another poller. Returns whether anything completed.
+    fn progress(&self, wait_for_lock: bool) -> bool {
+        let mut buf = if wait_for_lock {
+            lock(&self.polling)
+        } else {
+            match self.polling.try_lock() {
+                Ok(b) => b,
+                Err(_) => return false,
+            }
+        };
+        let mut any = false;
+        loop {
+            buf.clear();
+            if let Err(e) = self.nic.poll(&mut buf, 64) {
+                for link in &self.links {
+                    self.fail(link, format!("polling the completion queue failed: {e}"));
+                }
+                return any;
+            }
+            if buf.is_empty() {
+                return any;
+            }
+            any = true;
+            for &c in buf.iter() {
+                self.handle(c);
+            }
+        }
+    }
+
+    fn handle(&self, c: Completion) {
+        let (index, qp, what) = (
+            (c.wr_id >> 16) as usize,
+            ((c.wr_id >> 8) & 0xff) as usize,
+            c.wr_id & 0xff,
+        );
+        let Some(link) = self.links.get(index) else {
+            return;
+        };
+        let kind = match what {
+            WR_DATA => "data write",
+            WR_CREDIT => "credit write",
+            WR_CLOSE => "close notice",
+            WR_PROBE => "probe",
+            _ => "receive",
+        };
+        if c.status != verbs::WcStatus::Success {
+            let expected = c.status == verbs::WcStatus::Flushed
+                && (link.closing.load(Ordering::SeqCst) || *lock(&link.state) != LinkState::Up);
+            if !expected {
+                self.fail(
+                    link,
+                    format!(
+                        "{kind} on queue pair {} (rank {} to rank {}) failed: {}",
+                        c.qpn, self.rank, link.peer, c.status
+                    ),
+                );
+            }
+            if what == WR_CREDIT {
+                lock(&link.inc).credits_in_flight -= 1;
+            } else if what != WR_RECV {
+                let mut out = lock(&link.out);
+                out.in_flight = out.in_flight.saturating_sub(1);
+            }
+            return;
+        }
+        match what {
+            WR_DATA => {
+                let mut out = lock(&link.out);
+                out.written[qp] += 1;
+                out.in_flight -= 1;
+                self.release_sent(&mut out);
+            }
+            WR_CREDIT => {
+                lock(&link.inc).credits_in_flight -= 1;
+                self.return_credits(index);
+            }
+            WR_CLOSE => lock(&link.out).in_flight -= 1,
+            WR_PROBE => {
+                lock(&link.out).in_flight -= 1;
+                link.probe_in_flight.store(false, Ordering::SeqCst);
+            }
+            _ => self.received(index, qp, c),
+        }
+    }
+
+    /// A write with immediate data arrived on queue pair `qp` of link `index`.
+    fn received(&self, index: usize, qp: usize, c: Completion) {
+        let link = &self.links[index];
+        let imm = c.imm.unwrap_or(0);
+        let (kind, value) = (imm >> KIND_SHIFT, imm & VALUE_MASK);
+        if kind != KIND_CLOSE
+            && let Err(e) = self.nic.post_recv(link.qpns[qp], wr_id(index, qp, WR_RECV))
+        {
+            self.fail(link, format!("posting a receive failed: {e}"));
+        }
+        match kind {
+            KIND_DATA => {
+                let mut inc = lock(&link.inc);
+                let n = inc.received[qp];
+                let (seq, len) = (
+                    u64::from(value >> LEN_BITS),
+                    (value & ((1 << LEN_BITS) - 1)) as usize,
+                );
+                if seq != n & SEQ_MASK {
+                    drop(inc);
+                    self.fail(
+                        link,
+                        format!(
+                            "slot {n} from rank {} arrived as slot number {seq} mod 64 on queue \
+                             pair {}: a completion was lost",
+                            link.peer, c.qpn
+                        ),
+                    );
+                    return;
+                }
+                if len > link.geometry.slot_bytes {
+                    drop(inc);
+                    self.fail(
+                        link,
+                        format!(
+                            "rank {} announced a slot of {len} bytes, more than the {} a slot \
+                             holds",
+                            link.peer, link.geometry.slot_bytes
+                        ),
+                    );
+                    return;
+                }
+                let slots = inc.lens.len() as u64;
+                inc.lens[(n % slots) as usize] = len;
+                inc.received[qp] = n + 1;
+                let done = inc.received.iter().copied().min().unwrap_or(0);
+                let mut moved = false;
+                while inc.committed < done {
+                    let len = inc.lens[(inc.committed % slots) as usize];
+                    inc.fifo.commit(len);
+                    inc.committed += 1;
+                    moved = true;
+                }
+                drop(inc);
+                if moved {
+                    self.rank_bell.ring();
+                }
+            }
+            KIND_CREDIT => {
+                let mut out = lock(&link.out);
+                let delta = value.wrapping_sub(out.credited as u32 & VALUE_MASK) & VALUE_MASK;
+                out.credited += u64::from(delta);
+                self.release_sent(&mut out);
+            }
+            KIND_CLOSE => {
+                let all = {
+                    let mut inc = lock(&link.inc);
+                    inc.closed[qp] = true;
+                    inc.closed.iter().all(|&c| c)
+                };
+                if all {
+                    let why = match value {
+                        0 => Closed::ByOwner,
+                        r => Closed::PeerFailed(r as usize - 1),
+                    };
+                    link.set_state(LinkState::Closed(why));
+                    self.rank_bell.ring_always();
+                }
+            }
+            _ => self.fail(
+                link,
+                format!(
+                    "rank {} sent immediate data of unknown kind {imm:#x}",
+                    link.peer
+                ),
+            ),
+        }
+    }
+
+    /// Hands back to the engine every slot the peer consumed and this side's NIC read.
+    fn release_sent(&self, out: &mut Outgoing) {
+        let read = out.written.iter().copied().min().unwrap_or(0);
+        let done = read.min(out.credited);
+        let mut moved = false;
+        while out.released < done {
+            out.fifo.release();
+            out.released += 1;
+            moved = true;
+        }
+        if moved {
+            self.rank_bell.ring();
+        }
+    }
+
+    /// Posts the writes of every slot the engine committed on link `index`.
+    fn post_committed(&self, index: usize) {
+        let link = &self.links[index];
+        let mut out = lock(&link.out);
+        let nq = link.qpns.len();
+        let g = link.geometry;
+        loop {
+            let ahead = (out.posted - out.released) as u32;
+            let Some((ptr, len)) = out.fifo.try_peek_ahead(ahead) else {
+                return;
+            };
+            let slot = out.posted;
+            let remote_slot = link.remote.addr
+                + (DATA_OFFSET + (slot % g.slots as u64) as usize * g.slot_bytes) as u64;
+            for (qi, &qpn) in link.qpns.iter().enumerate() {
+                let piece = stripe(len, qi, nq);
+                let local = Local {
+                    addr: ptr as u64 + piece.start as u64,
+                    len: piece.len() as u32,
+                    lkey: link.out_region.lkey,
+                };
+                let remote = Remote {
+                    addr: remote_slot + piece.start as u64,
+                    rkey: link.remote.rkey,
+                };
+                // SAFETY: the slot lies in the registered outgoing FIFO and stays
+                // unchanged until handed back to the engine, which `release_sent` does
+                // only after this write completed.
+                let posted = unsafe {
+                    self.nic.post_write(
+                        qpn,
+                        wr_id(index, qi, WR_DATA),
+                        local,
+                        remote,
+                        Some(data_imm(slot, len)),
+                    )
+                };
+                if let Err(e) = posted {
+                    drop(out);
+                    self.fail(
+                        link,
+                        format!("posting a data write to rank {} failed: {e}", link.peer),
+                    );
+                    return;
+                }
+                out.in_flight += 1;
+            }
+            out.posted += 1;
+        }
+    }
+
+    /// Tells the peer of link `index` how far this side's engine has consumed.
+    fn return_credits(&self, index: usize) {
+        let link = &self.links[index];
+        let mut inc = lock(&link.inc);
+        let tail = inc.fifo.consumed();
+        if tail == inc.credit_sent || inc.credits_in_flight >= link.geometry.slots {
+            return;
+        }
+        let local = Local {
+            addr: link.in_region.addr,
+            len: 0,
+            lkey: link.in_region.lkey,
+        };
+        // SAFETY: a write of no bytes reads no memory.
+        let posted = unsafe {
+            self.nic.post_write(
+                link.qpns[0],
+                wr_id(index, 0, WR_CREDIT),
+                local,
+                link.remote,
+                Some(KIND_CREDIT << KIND_SHIFT | (tail & VALUE_MASK)),
+            )
+        };
+        match posted {
+            Ok(()) => {
+                inc.credit_sent = tail;
+                inc.credits_in_flight += 1;
+            }
+            Err(e) => {
+                drop(inc);
+                self.fail(
+                    link,
+                    format!("posting a credit to rank {} failed: {e}", link.peer),
+                );
+            }
+        }
+    }
+
+    /// Posts a write of no bytes on `link`'s queue pair `qp` (a close notice with
+    /// immediate data, or a probe without).
+    fn post_empty(&self, index: usize, qp: usize, what: u64, imm: Option<u32>) -> bool {
+        let link = &self.links[index];
+        let local = Local {
+            addr: link.out_region.addr,
+            len: 0,
+            lkey: link.out_region.lkey,
+        };
+        // Counted under the lock held while posting, so that the completion, which
+        // takes the lock, is never handled before the count.
+        let mut out = lock(&link.out);
+        // SAFETY: a write of no bytes reads no memory.
+        let posted = unsafe {
+            self.nic.post_write(
+                link.qpns[qp],
+                wr_id(index, qp, what),
+                local,
+                link.remote,
+                imm,
+            )
+        };
+        if posted.is_ok() {
+            out.in_flight += 1;
+        }
+        posted.is_ok()
+    }
+
+    /// Closes link `index`: a close notice with the cause on every queue pair.
+    fn close(&self, index: usize, why: Closed) {
+        let link = &self.links[index];
+        if link.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let cause = match why {
+            Closed::PeerFailed(r) => r as u32 + 1,
+            _ => 0,
+        };
+        for qp in 0..link.qpns.len() {
+            self.post_empty(index, qp, WR_CLOSE, Some(KIND_CLOSE << KIND_SHIFT | cause));
+        }
+    }
+
+    /// The proxy: polls the completion queue whenever it has something, returns credits
+    /// the engine left, probes idle peers.
+    fn run_proxy(&self) {
+        let mut last_probe = Instant::now();
+        while !self.stop.load(Ordering::SeqCst) {
+            self.progress(true);
+            for index in 0..self.links.len() {
+                self.return_credits(index);
+            }
+            if last_probe.elapsed() >= self.probe_every {
+                last_probe = Instant::now();
+                for (index, link) in self.links.iter().enumerate() {
+                    if *lock(&link.state) == LinkState::Up
+                        && !link.closing.load(Ordering::SeqCst)
+                        && !link.probe_in_flight.swap(true, Ordering::SeqCst)
+                        && !self.post_empty(index, 0, WR_PROBE, None)
+                    {
+                        link.probe_in_flight.store(false, Ordering::SeqCst);
+                    }
+                }
+            }
+            self.nic
+                .wait(self.probe_every.min(Duration::from_millis(200)));
+        }
+    }
+}
+
+/// One rank's RDMA links: the device, the proxy, and what every link shares.
+pub struct RdmaNet {
+    shared: Arc<NetShared>,
+    proxy: Option<JoinHandle<()>>,
+}
+
+/// One link, as [`super::Connections`] holds it.
+pub struct RdmaLink {
+    shared: Arc<NetShared>,
+    index: usize,
+}
+
+/// Per link, the engine's ends: the FIFO it sends into and the FIFO it receives from.
+pub type EngineEnds = Vec<(SendEnd, RecvEnd)>;
+
+/// A link to create.
+pub struct LinkSpec {
+    /// Channel index (the last one is point-to-point).
+    pub channel: usize,
+    /// The peer rank.
+    pub peer: usize,
+}
+
+impl RdmaNet {
+    /// Connects this rank's RDMA links (collective over `boot`: every rank calls it,
+    /// with no links if it has none). Returns the net and, per link in `specs` order,
+    /// the engine's ends: the FIFO it sends into and the FIFO it receives from.
+    pub fn establish(
+        boot: &Bootstrap,
+        nic: Option<Arc<dyn Nic>>,
+        config: &RdmaConfig,
+        geometry: Geometry,
+        specs: &[LinkSpec],
+        rank_bell: Arc<Bell>,
+        link_timeout: Duration,
+    ) -> Result<(Option<RdmaNet>, EngineEnds)> {
+        config.validate()?;
+        let rank = boot.rank();
+        let mut local = Vec::new();
+        let mut blob = Writer::default();
+        let mut nets_error: Option<Error> = None;
+        match &nic {
+            Some(nic) if !specs.is_empty() => {
+                if geometry.slot_bytes > MAX_SLOT_BYTES {
+                    nets_error = Some(Error::invalid(format!(
+                        "FIFO slots of {} bytes are too large for RDMA links (at most {} \
+                         bytes: the byte count travels in 24 bits); lower FERROCCL_SLOT_SIZE",
+                        geometry.slot_bytes, MAX_SLOT_BYTES
+                    )));
+                } else {
+                    match Self::prepare(nic.as_ref(), config, geometry, specs, rank) {
+                        Ok(prepared) => local = prepared,
+                        Err(e) => nets_error = Some(e),
+                    }
+                }
+            }
+            _ => {}
+        }
+        blob.u64(local.len() as u64);
+        for (spec, p) in specs.iter().zip(&local) {
+            blob.u64(spec.channel as u64)
+                .u64(spec.peer as u64)
+                .u64(p.endpoints.len() as u64);
+            for e in &p.endpoints {
+                e.encode(&mut blob);
+            }
+            blob.u64(p.in_region.addr).u32(p.in_region.rkey);
+        }
+        // Everyone publishes, even a rank that failed (with no links), so that the
+        // others fail on its missing links instead of waiting.
+        let all = boot.all_gather(&blob.into_vec());
+        let cleanup = |nic: &Option<Arc<dyn Nic>>, local: Vec<Prepared>| {
+            if let Some(nic) = nic {
+                for p in local {
+                    p.destroy(nic.as_ref());
+                }
+            }
+        };
+        if let Some(e) = nets_error {
+            cleanup(&nic, local);
+            return Err(e);
+        }
+        let all = match all {
+            Ok(all) => all,
+            Err(e) => {
+                cleanup(&nic, local);
+                return Err(e);
+            }
+        };
+        let Some(nic) = nic.filter(|_| !specs.is_empty()) else {
+            return Ok((None, Vec::new()));
+        };
+        let connected = (|| -> Result<()> {
+            for (spec, p) in specs.iter().zip(&mut local) {
+                let (endpoints, remote) = find_peer_link(&all, spec.peer, spec.channel, rank)?;
+                if endpoints.len() != p.endpoints.len() {
+                    return Err(Error::BootstrapData {
+                        rank: spec.peer,
+                        detail: format!(
+                            "{} queue pairs per connection, this rank has {} \
+                             (NCCL_IB_QPS_PER_CONNECTION must be the same everywhere)",
+                            endpoints.len(),
+                            p.endpoints.len()
+                        ),
+                    });
+                }
+                for (mine, theirs) in p.endpoints.iter().zip(&endpoints) {
+                    nic.connect(mine.qpn, theirs).map_err(|e| {
+                        Error::io(
+                            format!("connect queue pair {} to rank {}", mine.qpn, spec.peer),
+                            e,
+                        )
+                    })?;
+                }
+                p.remote = remote;
+            }
+            Ok(())
+        })();
+        // Every queue pair must be connected before anyone writes.
+        let barrier = boot.barrier();
+        if let Err(e) = connected.and(barrier) {
+            cleanup(&Some(nic), local);
+            return Err(e);
+        }
+        let mut links = Vec::new();
+        let mut engine_ends = Vec::new();
+        for (spec, p) in specs.iter().zip(local) {
+            let nq = p.endpoints.len();
+            engine_ends.push((p.engine_tx, p.engine_rx));
+            links.push(LinkShared {
+                peer: spec.peer,
+                qpns: p.endpoints.iter().map(|e| e.qpn).collect(),
+                geometry,
+                out_region: p.out_region,
+                in_region: p.in_region,
+                remote: p.remote,
+                out: Mutex::new(Outgoing {
+                    fifo: p.proxy_rx,
+                    posted: 0,
+                    written: vec![0; nq],
+                    credited: 0,
+                    released: 0,
+                    in_flight: 0,
+                }),
+                inc: Mutex::new(Incoming {
+                    fifo: p.proxy_tx,
+                    received: vec![0; nq],
+                    lens: vec![0; geometry.slots],
+                    committed: 0,
+                    credit_sent: 0,
+                    credits_in_flight: 0,
+                    closed: vec![false; nq],
+                }),
+                state: Mutex::new(LinkState::Up),
+                closing: AtomicBool::new(false),
+                probe_in_flight: AtomicBool::new(false),
+            });
+        }
+        let shared = Arc::new(NetShared {
+            rank,
+            nic,
+            links,
+            rank_bell,
+            stop: AtomicBool::new(false),
+            polling: Mutex::new(Vec::with_capacity(64)),
+            probe_every: (link_timeout / 3).max(Duration::from_millis(10)),
+        });
+        let sh = shared.clone();
+        let proxy = std::thread::Builder::new()
+            .name(format!("ferroccl-ib-r{rank}"))
+            .spawn(move || sh.run_proxy())
+            .map_err(|e| Error::io("start the RDMA proxy", e))?;
+        Ok((
+            Some(RdmaNet {
+                shared,
+                proxy: Some(proxy),
+            }),
+            engine_ends,
+        ))
+    }
+
+    /// Creates and registers each link's FIFOs and queue pairs, with receives posted.
+    fn prepare(
+        nic: &dyn Nic,
+        config: &RdmaConfig,
+        geometry: Geometry,
+        specs: &[LinkSpec],
+        rank: usize,
+    ) -> Result<Vec<Prepared>> {
+        let options = config.qp_options(geometry.slots);
+        let mut done: Vec<Prepared> = Vec::new();
+        let result = (|| -> Result<()> {
+            for (index, spec) in specs.iter().enumerate() {
+                let tag = format!("ib-r{rank}-c{}-p{}", spec.channel, spec.peer);
+                let (engine_tx, proxy_rx) = local_fifo(geometry, &tag)?;
+                let (proxy_tx, engine_rx) = local_fifo(geometry, &tag)?;
+                let register = |(ptr, len): (*mut u8, usize)| {
+                    // SAFETY: the FIFO's segment stays allocated while the proxy's end
+                    // lives, and `Prepared::destroy` / `RdmaNet`'s drop deregister it
+                    // before dropping that end.
+                    unsafe { nic.register(ptr, len) }.map_err(|e| {
+                        Error::io(format!("register a FIFO for rank {}", spec.peer), e)
+                    })
+                };
+                let out_region = register(proxy_rx.memory())?;
+                let mut p = Prepared {
+                    engine_tx,
+                    engine_rx,
+                    proxy_rx,
+                    proxy_tx,
+                    out_region,
+                    in_region: out_region,
+                    endpoints: Vec::new(),
+                    remote: Remote { addr: 0, rkey: 0 },
+                };
+                match register(p.proxy_tx.memory()) {
+                    Ok(r) => p.in_region = r,
+                    Err(e) => {
+                        let _ = nic.deregister(&p.out_region);
+                        return Err(e);
+                    }
+                }
+                let filled = (|| -> Result<()> {
+                    for qi in 0..config.qps_per_connection {
+                        let e = nic.create_qp(&options).map_err(|e| {
+                            Error::io(format!("create a queue pair for rank {}", spec.peer), e)
+                        })?;
+                        p.endpoints.push(e);
+                        for _ in 0..options.max_recv {
+                            nic.post_recv(e.qpn, wr_id(index, qi, WR_RECV))
+                                .map_err(|e| Error::io("post a receive", e))?;
+                        }
+                    }
+                    Ok(())
+                })();
+                done.push(p);
+                filled?;
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => Ok(done),
+            Err(e) => {
+                for p in done {
+                    p.destroy(nic);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The handle of link `index` (in the order of the `specs` given to
+    /// [`RdmaNet::establish`]).
+    pub fn link(&self, index: usize) -> RdmaLink {
+        RdmaLink {
+            shared: self.shared.clone(),
+            index,
+        }
+    }
+
+    /// The device port in use.
+    pub fn device(&self) -> &DeviceInfo {
+        self.shared.nic.device()
+    }
+}
+
+/// A link's local half before its peer's is known.
+struct Prepared {
+    engine_tx: SendEnd,
+    engine_rx: RecvEnd,
+    proxy_rx: RecvEnd,
+    proxy_tx: SendEnd,
+    out_region: Region,
+    in_region: Region,
+    endpoints: Vec<Endpoint>,
+    remote: Remote,
+}
+
+impl Prepared {
+    fn destroy(self, nic: &dyn Nic) {
+        for e in &self.endpoints {
+            nic.destroy_qp(e.qpn);
+        }
+        let _ = nic.deregister(&self.out_region);
+        if self.in_region != self.out_region {
+            let _ = nic.deregister(&self.in_region);
+        }
+    }
+}
+
+/// What `peer` published for its link to `me` on `channel`: its queue pairs'
+/// endpoints and its incoming FIFO.
+fn find_peer_link(
+    all: &[Vec<u8>],
+    peer: usize,
+    channel: usize,
+    me: usize,
+) -> Result<(Vec<Endpoint>, Remote)> {
+    let bad = |detail: String| Error::BootstrapData { rank: peer, detail };
+    let bytes = all
+        .get(peer)
+        .ok_or_else(|| bad("published no RDMA links".into()))?;
+    let mut c = Cursor::new(bytes);
+    let e = |e| format!("RDMA links: {e:?}");
+    let n = c.count(1 << 20, "link").map_err(|x| bad(e(x)))?;
+    for _ in 0..n {
+        let ch = c.u64().map_err(|x| bad(e(x)))? as usize;
+        let to = c.u64().map_err(|x| bad(e(x)))? as usize;
+        let nq = c
+            .count(MAX_QPS_PER_CONNECTION, "queue pair")
+            .map_err(|x| bad(e(x)))?;
+        let endpoints = (0..nq)
+            .map(|_| Endpoint::decode(&mut c))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|x| bad(format!("RDMA endpoint: {x}")))?;
+        let addr = c.u64().map_err(|x| bad(e(x)))?;
+        let rkey = c.u32().map_err(|x| bad(e(x)))?;
+        if ch == channel && to == me {
+            return Ok((endpoints, Remote { addr, rkey }));
+        }
+    }
+    Err(bad(format!(
+        "no RDMA link to rank {me} on channel {channel} (its device failed to open, or it \
+         counts this pair as another transport)"
+    )))
+}
+
+impl Drop for RdmaNet {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        for index in 0..sh.links.len() {
+            sh.close(index, Closed::ByOwner);
+        }
+        // Let the writes in flight finish (the close notices among them), bounded: a
+        // peer that is gone fails them only after the transport timeout.
+        let start = Instant::now();
+        while start.elapsed() < DRAIN_LIMIT
+            && sh
+                .links
+                .iter()
+                .any(|l| lock(&l.out).in_flight > 0 || lock(&l.inc).credits_in_flight > 0)
+        {
+            if !sh.progress(true) {
+                sh.nic.wait(Duration::from_millis(1));
+            }
+        }
+        sh.stop.store(true, Ordering::SeqCst);
+        sh.nic.interrupt();
+        if let Some(t) = self.proxy.take() {
+            let _ = t.join();
+        }
+        for link in &sh.links {
+            for &qpn in &link.qpns {
+                sh.nic.destroy_qp(qpn);
+            }
+            let _ = sh.nic.deregister(&link.out_region);
+            let _ = sh.nic.deregister(&link.in_region);
+        }
+    }
+}
+
+impl RdmaLink {
+    fn link(&self) -> &LinkShared {
+        &self.shared.links[self.index]
+    }
+
+    /// After the engine committed slots: posts their writes.
+    pub fn ring_send(&self) {
+        self.shared.post_committed(self.index);
+    }
+
+    /// After the engine released slots: returns credits.
+    pub fn ring_recv(&self) {
+        self.shared.return_credits(self.index);
+    }
+
+    /// The engine, about to look at a FIFO: polls the completion queue in line.
+    pub fn read_in_line(&self) {
+        self.shared.progress(false);
+    }
+
+    /// The link's state.
+    pub fn state(&self) -> LinkState {
+        lock(&self.link().state).clone()
+    }
+
+    /// Closes this side, telling the peer why.
+    pub fn close(&self, why: Closed) {
+        self.shared.close(self.index, why);
+    }
+}

@@ -1,0 +1,405 @@
+//! The RDMA transport over the simulated fabric (`transport::rdma::sim`): the real
+//! transport and engine, ranks as threads standing for hosts of their own. Needs the
+//! `rdma` feature (`cargo test --features rdma --test rdma`; the README's test command
+//! runs it).
+#![cfg(feature = "rdma")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::collectives;
+use ferroccl::bootstrap::Bootstrap;
+use ferroccl::comm::CommConfig;
+use ferroccl::plan::Collective;
+use ferroccl::store::{HashStore, Store};
+use ferroccl::transport::NetChoice;
+use ferroccl::transport::rdma::sim::{Fault, SimFabric};
+use ferroccl::{Communicator, DataType, Error, ReduceOp};
+
+/// `hosts` × `per_host` ranks (rank r on host r / per_host) whose hosts reach each other
+/// over `fabric` only (`NCCL_NET=IB`: a fallback to TCP would be an error).
+fn start(
+    fabric: &Arc<SimFabric>,
+    hosts: usize,
+    per_host: usize,
+    config: &CommConfig,
+) -> Vec<Communicator> {
+    let n = hosts * per_host;
+    let store = HashStore::new();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let store: Arc<dyn Store> = Arc::new(store.clone());
+                let mut config = config.clone();
+                config.net = NetChoice::Ib;
+                config.rdma.provider = Some(fabric.clone());
+                config.bootstrap.host_id = Some(format!("simhost{}", rank / per_host));
+                s.spawn(move || {
+                    let boot = Bootstrap::new(store, rank, n, &config.bootstrap)?;
+                    Communicator::from_bootstrap(boot, config)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    })
+}
+
+fn small_fifos(channels: usize) -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(120),
+        channels,
+        // Small slots so that the larger counts take many slots, and FIFOs fill up.
+        slots: 4,
+        slot_bytes: 4 << 10,
+        chunk_bytes: 8 << 10,
+        ..CommConfig::default()
+    }
+}
+
+/// Queue pairs the fabric should hold: per rank, one per queue pair of every link to a
+/// rank on another host, on every channel and the point-to-point one.
+fn expected_qps(hosts: usize, per_host: usize, channels: usize, qps: usize) -> usize {
+    let n = hosts * per_host;
+    n * (n - per_host) * (channels + 1) * qps
+}
+
+fn assert_nothing_left(fabric: &SimFabric) {
+    assert_eq!(fabric.live_qps(), 0, "queue pairs left");
+    assert_eq!(fabric.live_regions(), 0, "registrations left");
+    assert_eq!(fabric.open_devices(), 0, "devices left open");
+}
+
+fn check_grid(
+    hosts: usize,
+    per_host: usize,
+    config: CommConfig,
+    counts: &[usize],
+    dtypes: &[DataType],
+) {
+    let fabric = SimFabric::new();
+    let comms = start(&fabric, hosts, per_host, &config);
+    assert_eq!(
+        fabric.live_qps(),
+        expected_qps(
+            hosts,
+            per_host,
+            config.channels,
+            config.rdma.qps_per_connection
+        ),
+        "every link between hosts is an RDMA link"
+    );
+    let n = comms.len();
+    let calls: Vec<common::Call> = collectives(n)
+        .into_iter()
+        .flat_map(|c| common::calls_of(c, dtypes, counts))
+        .collect();
+    let wrong = common::run_calls(&comms, &calls);
+    assert!(
+        wrong.is_empty(),
+        "{} of {} checks failed on {hosts}x{per_host} hosts over RDMA, e.g.:\n{}",
+        wrong.len(),
+        calls.len() * n,
+        wrong
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
+
+#[test]
+fn the_collective_grid_on_two_hosts_of_two_ranks() {
+    check_grid(2, 2, small_fifos(2), &COUNTS, &DataType::ALL);
+}
+
+#[test]
+fn the_collective_grid_on_four_hosts_of_one_rank() {
+    check_grid(4, 1, small_fifos(1), &COUNTS, &DataType::ALL);
+}
+
+#[test]
+fn slots_are_striped_over_several_queue_pairs() {
+    let mut config = small_fifos(1);
+    config.rdma.qps_per_connection = 3;
+    check_grid(
+        2,
+        1,
+        config.clone(),
+        &COUNTS,
+        &[DataType::Int32, DataType::Float64],
+    );
+    check_grid(3, 1, config, &[0, 5, 4099], &[DataType::Uint8]);
+}
+
+/// Every slot length from 0 to a slot and a half, byte by byte, between two hosts:
+/// point-to-point and broadcast, through a FIFO of two slots of 256 bytes.
+#[test]
+fn slots_of_every_length() {
+    let config = CommConfig {
+        slots: 2,
+        slot_bytes: 256,
+        chunk_bytes: 256,
+        ll_payload_bytes: 256,
+        ..small_fifos(1)
+    };
+    let fabric = SimFabric::new();
+    let comms = start(&fabric, 2, 1, &config);
+    for len in 0..=384usize {
+        let payload: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+        std::thread::scope(|s| {
+            let (a, b) = (&comms[0], &comms[1]);
+            let p = payload.clone();
+            s.spawn(move || a.send(&p, 1).unwrap());
+            let mut got = vec![0u8; len];
+            b.recv(&mut got, 0).unwrap();
+            assert_eq!(got, payload, "{len} bytes sent to rank 1");
+        });
+        let wrong = common::run_calls(
+            &comms,
+            &[(
+                Collective::Broadcast { root: 1 },
+                DataType::Uint8,
+                ReduceOp::Sum,
+                len,
+                false,
+            )],
+        );
+        assert!(wrong.is_empty(), "{wrong:?}");
+    }
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// A receiver that comes late: the sender fills the peer's FIFO (and its own), then
+/// waits for credits; nothing is lost or overwritten when the receiver catches up.
+#[test]
+fn a_full_fifo_and_a_slow_receiver() {
+    let config = CommConfig {
+        slots: 2,
+        slot_bytes: 1024,
+        chunk_bytes: 1024,
+        ll_payload_bytes: 1024,
+        ..small_fifos(1)
+    };
+    let fabric = SimFabric::new();
+    let comms = start(&fabric, 2, 1, &config);
+    // 100 slots' worth, many times what the two FIFOs hold.
+    let data: Vec<u32> = (0..25_600u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    std::thread::scope(|s| {
+        let (a, b) = (&comms[0], &comms[1]);
+        let d = &data;
+        let sender = s.spawn(move || {
+            let t = Instant::now();
+            a.send(d, 1).unwrap();
+            t.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let mut got = vec![0u32; data.len()];
+        b.recv(&mut got, 0).unwrap();
+        assert_eq!(got, data);
+        // The sender could not finish before the receiver started.
+        assert!(sender.join().unwrap() >= Duration::from_millis(250));
+    });
+    // Many rounds in both directions at once: slot numbers wrap their 6-bit sequence
+    // many times over.
+    for round in 0..20u32 {
+        let wrong = common::run_calls(
+            &comms,
+            &[(
+                Collective::AllReduce,
+                DataType::Int32,
+                ReduceOp::Sum,
+                1000 + round as usize,
+                round % 2 == 0,
+            )],
+        );
+        assert!(wrong.is_empty(), "{wrong:?}");
+    }
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// Settings for the fault tests: a short transport timeout (4.096 µs × 2^14 × 2 tries
+/// ≈ 134 ms), a link timeout of a second (probes every third of it) and a deadline.
+fn fault_config() -> CommConfig {
+    let mut c = small_fifos(1);
+    c.timeout = Duration::from_secs(20);
+    c.link_timeout = Duration::from_secs(1);
+    c.rdma.timeout = 14;
+    c.rdma.retry_cnt = 1;
+    c
+}
+
+/// Injects `fault` into rank 1 (of 2 hosts × 2 ranks) once a first all-reduce went
+/// through, then runs all-reduces large enough to take many slots: every rank must fail,
+/// well within the deadline, with an error that names a rank, and every queue pair,
+/// registration and device must be gone once the communicators are dropped.
+fn every_rank_fails_naming_a_peer(fault: Fault) {
+    let fabric = SimFabric::new();
+    let config = fault_config();
+    let comms = start(&fabric, 2, 2, &config);
+    let n = comms.len();
+    let count = 20_000usize;
+    let barrier = std::sync::Barrier::new(n);
+    let errors: Vec<(Error, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                let (fabric, barrier) = (&fabric, &barrier);
+                s.spawn(move || {
+                    let mut buf = vec![1.0f32; count];
+                    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                    assert!(buf.iter().all(|&x| x == n as f32));
+                    barrier.wait();
+                    if comm.rank() == 1 {
+                        fabric.inject(1, fault);
+                    }
+                    barrier.wait();
+                    let start = Instant::now();
+                    for _ in 0..50 {
+                        if let Err(e) = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+                            return (e, start.elapsed());
+                        }
+                    }
+                    panic!(
+                        "rank {}: 50 all-reduces succeeded after {fault:?}",
+                        comm.rank()
+                    );
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (e, took)) in errors.iter().enumerate() {
+        let named = match e {
+            Error::PeerFailed { failed_rank, .. } => Some(*failed_rank),
+            Error::Timeout { waiting_on, .. } => waiting_on.first().copied(),
+            _ => None,
+        };
+        assert!(
+            named.is_some_and(|r| r < n),
+            "rank {rank} after {fault:?}: {e}"
+        );
+        assert!(*took < config.timeout, "rank {rank} took {took:?}: {e}");
+        eprintln!("{fault:?}: rank {rank} after {took:?}: {e}");
+    }
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+#[test]
+fn a_queue_pair_in_the_error_state_fails_every_rank() {
+    every_rank_fails_naming_a_peer(Fault::QpsToError);
+}
+
+#[test]
+fn a_lost_completion_fails_every_rank() {
+    every_rank_fails_naming_a_peer(Fault::LoseCompletion);
+}
+
+#[test]
+fn a_remote_access_error_fails_every_rank() {
+    every_rank_fails_naming_a_peer(Fault::RefuseNextWrite);
+}
+
+#[test]
+fn a_peer_that_stops_answering_fails_every_rank() {
+    every_rank_fails_naming_a_peer(Fault::Unplug);
+}
+
+/// A rank that vanishes while its peers wait for it (nothing is being sent to it) is
+/// found by the probes: its queue pairs are gone, a probe fails with retry-exceeded.
+#[test]
+fn a_vanished_peer_is_found_by_the_probes() {
+    let fabric = SimFabric::new();
+    let config = fault_config();
+    let mut comms = start(&fabric, 2, 1, &config);
+    let gone = comms.pop().unwrap();
+    // Rank 1 stops answering before it closes (as a killed process or host would), so
+    // its close notices never arrive either.
+    fabric.inject(1, Fault::Unplug);
+    let dropping = std::thread::spawn(move || drop(gone));
+    let start = Instant::now();
+    let mut buf = vec![0u8; 10];
+    let e = comms[0].recv(&mut buf, 1).unwrap_err();
+    let took = start.elapsed();
+    assert!(matches!(e, Error::PeerFailed { failed_rank: 1, .. }), "{e}");
+    assert!(took < Duration::from_secs(5), "took {took:?}: {e}");
+    dropping.join().unwrap();
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+#[test]
+fn nccl_net_ib_without_a_device_names_the_rank() {
+    let fabric = SimFabric::with_devices(Vec::new());
+    let store = HashStore::new();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store: Arc<dyn Store> = Arc::new(store.clone());
+                let mut config = small_fifos(1);
+                config.net = NetChoice::Ib;
+                config.rdma.provider = Some(fabric.clone());
+                config.bootstrap.host_id = Some(format!("h{rank}"));
+                s.spawn(move || {
+                    let boot = Bootstrap::new(store, rank, 2, &config.bootstrap).unwrap();
+                    Communicator::from_bootstrap(boot, config)
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errors {
+        assert!(e.contains("NCCL_NET=IB") && e.contains("rank 0"), "{e}");
+    }
+    assert!(errors[0].contains("no RDMA device"), "{}", errors[0]);
+}
+
+/// Without `NCCL_NET=IB`, ranks without a device fall back to TCP (and say so).
+#[test]
+fn without_a_device_hosts_fall_back_to_tcp() {
+    let fabric = SimFabric::with_devices(Vec::new());
+    let store = HashStore::new();
+    let comms: Vec<Communicator> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store: Arc<dyn Store> = Arc::new(store.clone());
+                let mut config = small_fifos(1);
+                config.rdma.provider = Some(fabric.clone());
+                config.bootstrap.host_id = Some(format!("h{rank}"));
+                s.spawn(move || {
+                    let boot = Bootstrap::new(store, rank, 2, &config.bootstrap).unwrap();
+                    Communicator::from_bootstrap(boot, config).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let wrong = common::run_calls(
+        &comms,
+        &[(
+            Collective::AllReduce,
+            DataType::Int64,
+            ReduceOp::Max,
+            5000,
+            false,
+        )],
+    );
+    assert!(wrong.is_empty(), "{wrong:?}");
+    assert_eq!(fabric.live_qps(), 0);
+}
