@@ -60,6 +60,13 @@ impl LinkCost {
         }
     }
 
+    /// An RDMA link of `gbps` Gb/s: the NIC's bandwidth (bytes, so ÷ 8), and α = 5 µs,
+    /// a hop through the NIC plus the completion handling on both sides. The α is an
+    /// estimate, not measured: no RDMA hardware has run ferroccl yet.
+    pub fn rdma(gbps: f64) -> Self {
+        LinkCost::new(5.0, gbps / 8.0)
+    }
+
     /// Parses `alpha_us,gbps` (e.g. `40,1.25`).
     pub fn parse(var: &str, text: &str) -> Result<Self> {
         let bad = || Error::Env {

@@ -47,8 +47,8 @@ pub struct CommHandle {
     pub nranks: usize,
     /// Ops from `ncclRedOpCreatePreMulSum`: op value `ncclNumOps + i` is slot `i`.
     pub user_ops: Mutex<Vec<Option<UserOp>>>,
-    /// Live registrations (`ncclCommRegister`): handle address → (buffer, size).
-    pub registrations: Mutex<HashMap<usize, (usize, usize)>>,
+    /// Live registrations (`ncclCommRegister`), by the handle C got.
+    pub registrations: Mutex<HashMap<usize, crate::transport::Registration>>,
 }
 
 fn registry() -> &'static Mutex<HashMap<usize, Arc<CommHandle>>> {

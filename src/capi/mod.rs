@@ -659,8 +659,9 @@ nccl_api! {
         LAST_ERROR.with(|e| e.borrow().as_ptr())
     }
 
-    /// `ncclCommRegister`: records a buffer (no effect on host memory beyond the
-    /// bookkeeping `ncclCommDeregister` checks).
+    /// `ncclCommRegister`: registers a buffer with the communicator's RDMA device when
+    /// it has RDMA links (through a cache: a buffer inside one registered before shares
+    /// its registration); otherwise records it (shared memory and TCP need none).
     fn ncclCommRegister / pncclCommRegister(
         comm: *const c_void,
         buff: *mut c_void,
@@ -675,10 +676,15 @@ nccl_api! {
             if buff.is_null() && size > 0 {
                 return Err(invalid(format!("buff is NULL for {size} bytes")));
             }
+            let communicator = handle.communicator()?;
+            // SAFETY: NCCL's contract: the buffer stays allocated until
+            // ncclCommDeregister (or the communicator's destruction).
+            let registration = unsafe { communicator.register(buff.cast(), size) }
+                .map_err(|e| Failure::new(SYSTEM_ERROR, e.to_string()))?;
             // A handle is a number that is never reused (and never a valid address).
             static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
             let token = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            lock(&handle.registrations).insert(token, (buff as usize, size));
+            lock(&handle.registrations).insert(token, registration);
             // SAFETY: non-NULL, the caller's void*.
             unsafe { *handle_out = token as *mut c_void };
             Ok(SUCCESS)
@@ -689,8 +695,15 @@ nccl_api! {
     fn ncclCommDeregister / pncclCommDeregister(comm: *const c_void, reg: *mut c_void) -> c_int {
         api("ncclCommDeregister", || {
             let handle = CommHandle::find(comm)?;
-            match lock(&handle.registrations).remove(&(reg as usize)) {
-                Some(_) => Ok(SUCCESS),
+            let registration = lock(&handle.registrations).remove(&(reg as usize));
+            match registration {
+                Some(r) => {
+                    handle
+                        .communicator()?
+                        .deregister(&r)
+                        .map_err(|e| Failure::new(SYSTEM_ERROR, e.to_string()))?;
+                    Ok(SUCCESS)
+                }
                 None => Err(invalid(format!(
                     "handle {reg:?} is not a registration of this communicator"
                 ))),

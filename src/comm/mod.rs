@@ -209,7 +209,7 @@ impl Communicator {
             .map(|b| String::from_utf8_lossy(b).into_owned())
             .collect();
         let (model, settings) = texts[0].split_once('\n').unwrap_or((&texts[0], ""));
-        let model = CostModel::parse("rank 0's cost model", model)?;
+        let mut model = CostModel::parse("rank 0's cost model", model)?;
         for (r, text) in texts.iter().enumerate() {
             let theirs = text.split_once('\n').map_or("", |(_, s)| s);
             if let Some(diff) = CommConfig::settings_differ(settings, theirs) {
@@ -239,6 +239,10 @@ impl Communicator {
                 rdma: config.rdma.clone(),
             },
         )?;
+        // Over RDMA the network is the NIC, not TCP through proxies.
+        if let Some(gbps) = conns.rdma_link_gbps() {
+            model.net = crate::tune::LinkCost::rdma(gbps);
+        }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
         let plan_options = Protocol::ALL.map(|protocol| {
             [1usize, 2, 4, 8].map(|elem| PlanOptions {
@@ -302,6 +306,28 @@ impl Communicator {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         crate::lock(&self.state)
+    }
+
+    /// Registers `len` bytes at `addr` with this communicator (`ncclCommRegister`): with
+    /// its RDMA device when it has RDMA links, through a cache (a buffer inside one
+    /// registered before shares its registration); otherwise it is only recorded, as
+    /// shared memory and TCP need no registration.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`Communicator::deregister`] or until the
+    /// communicator is dropped.
+    pub unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+    ) -> Result<crate::transport::Registration> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.lock().conns.register(addr, len) }
+    }
+
+    /// Ends a registration made by [`Communicator::register`] (`ncclCommDeregister`).
+    pub fn deregister(&self, registration: &crate::transport::Registration) -> Result<()> {
+        self.lock().conns.deregister(registration)
     }
 
     /// The store of this communicator's rendezvous (a prefix of the job's), for layers

@@ -213,6 +213,9 @@ pub struct Connections {
     ll: Option<Geometry>,
     /// More ranks on this machine than CPUs they may use (see [`oversubscribed`]).
     oversubscribed: bool,
+    /// Link speed (Gb/s) of the slowest RDMA device in the job, when every pair of
+    /// ranks on different hosts talks over RDMA.
+    rdma_link_gbps: Option<f64>,
 }
 
 impl std::fmt::Debug for Connections {
@@ -290,6 +293,7 @@ impl Connections {
         let mut hello = rand::random::<[u8; 8]>().to_vec();
         hello.push(u8::from(net.usable()));
         let rdma_flag_at = hello.len() - 1;
+        hello.extend_from_slice(&net.gbps.to_le_bytes());
         let addr_at = hello.len();
         // Filled from the gathered hellos below, before `path` is first used.
         let mut rdma_ranks = vec![false; nranks];
@@ -337,11 +341,30 @@ impl Connections {
             rank: 0,
             detail: "segment name nonce is not 8 bytes".into(),
         })?;
+        let mut rdma_gbps = f64::INFINITY;
         for (r, bytes) in all.iter().enumerate() {
             rdma_ranks[r] = bytes.get(rdma_flag_at).copied().unwrap_or(0) == 1;
+            if rdma_ranks[r] {
+                let speed = bytes
+                    .get(rdma_flag_at + 1..addr_at)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0.0, f64::from_le_bytes);
+                rdma_gbps = rdma_gbps.min(speed);
+            }
         }
         net.check_everyone_has_it(config.net, &rdma_ranks, &hosts, rank)?;
         let path = |a: usize, b: usize| path(a, b, &rdma_ranks);
+        // Every rank computes the same: RDMA's speed counts when every pair of ranks on
+        // different hosts talks over it (the slowest device of the job).
+        let cross: Vec<(usize, usize)> = (0..nranks)
+            .flat_map(|a| (0..nranks).map(move |b| (a, b)))
+            .filter(|&(a, b)| hosts[a] != hosts[b])
+            .collect();
+        let rdma_link_gbps = (!cross.is_empty()
+            && cross.iter().all(|&(a, b)| path(a, b) == Path::Rdma)
+            && rdma_gbps.is_finite()
+            && rdma_gbps > 0.0)
+            .then_some(rdma_gbps);
         let prefix = format!(
             "ferroccl-{}-{:016x}",
             peers[0].pid,
@@ -612,7 +635,15 @@ impl Connections {
             geometry: config.geometry,
             ll: config.ll,
             oversubscribed,
+            rdma_link_gbps,
         })
+    }
+
+    /// Link speed (Gb/s) of the slowest RDMA device of the job, when every pair of ranks
+    /// on different hosts talks over RDMA (the same on every rank): the cost model's
+    /// network bandwidth then.
+    pub fn rdma_link_gbps(&self) -> Option<f64> {
+        self.rdma_link_gbps
     }
 
     /// This rank.
@@ -744,6 +775,36 @@ impl Connections {
         None
     }
 
+    /// Registers `len` bytes at `addr` (see [`Registration`]).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`Connections::deregister`] or until these
+    /// connections are dropped.
+    pub unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Registration> {
+        #[cfg(feature = "rdma")]
+        let region = match &self.rdma {
+            // SAFETY: forwarded from this function's contract.
+            Some(net) if len > 0 => Some(unsafe { net.register(addr, len) }?),
+            _ => None,
+        };
+        Ok(Registration {
+            addr: addr as usize,
+            len,
+            #[cfg(feature = "rdma")]
+            region,
+        })
+    }
+
+    /// Ends a registration.
+    pub fn deregister(&self, registration: &Registration) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        if let (Some(net), Some(region)) = (&self.rdma, &registration.region) {
+            return net.deregister(region);
+        }
+        let _ = registration;
+        Ok(())
+    }
+
     fn ring_peer(&self, peer: usize) {
         if peer == self.rank {
             self.bell.ring();
@@ -815,6 +876,8 @@ struct NetDevice {
     device: Option<String>,
     /// Why there is no device (when one was wanted).
     unusable: Option<String>,
+    /// The device's link speed in Gb/s (0 without one).
+    gbps: f64,
 }
 
 impl NetDevice {
@@ -826,6 +889,7 @@ impl NetDevice {
             nic: None,
             device: None,
             unusable: None,
+            gbps: 0.0,
         };
         if !wants {
             return d;
@@ -838,6 +902,7 @@ impl NetDevice {
                     "{}:{} ({}, {} Gb/s)",
                     dev.name, dev.port, dev.link_layer, dev.gbps
                 ));
+                d.gbps = dev.gbps;
                 d.nic = Some(nic);
             }
             Err(why) => d.unusable = Some(why),
@@ -885,6 +950,20 @@ impl NetDevice {
             ))),
         }
     }
+}
+
+/// A buffer registered with a communicator (`ncclCommRegister`): with the RDMA device
+/// when the communicator has RDMA links, else only recorded (shared memory and TCP need
+/// no registration).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// Start address.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+    /// The device registration, if any.
+    #[cfg(feature = "rdma")]
+    pub region: Option<rdma::verbs::Region>,
 }
 
 /// Which machine a rank runs on, and which of its CPUs the rank may use.

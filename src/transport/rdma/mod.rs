@@ -419,6 +419,9 @@ struct NetShared {
     /// Held while polling the completion queue (completions are handled in order).
     polling: Mutex<Vec<Completion>>,
     probe_every: Duration,
+    /// User buffers registered with the device (`ncclCommRegister`), with how many
+    /// registrations each one serves.
+    registrations: Mutex<Vec<(Region, usize)>>,
 }
 
 impl NetShared {
@@ -947,6 +950,7 @@ impl RdmaNet {
             rank_bell,
             stop: AtomicBool::new(false),
             polling: Mutex::new(Vec::with_capacity(64)),
+            registrations: Mutex::new(Vec::new()),
             probe_every: (link_timeout / 3).max(Duration::from_millis(10)),
         });
         let sh = shared.clone();
@@ -1046,6 +1050,53 @@ impl RdmaNet {
     pub fn device(&self) -> &DeviceInfo {
         self.shared.nic.device()
     }
+
+    /// Registers `len` bytes at `addr` with the device, through a cache: a buffer inside
+    /// one registered before shares its registration (counted), so registering the same
+    /// buffer again, or a part of it, costs no device call.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the matching [`RdmaNet::deregister`] (or
+    /// until this net is dropped).
+    pub unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Region> {
+        let mut cache = lock(&self.shared.registrations);
+        if let Some((region, refs)) = cache.iter_mut().find(|(r, _)| r.covers(addr as u64, len)) {
+            *refs += 1;
+            return Ok(*region);
+        }
+        // SAFETY: forwarded from this function's contract.
+        let region = unsafe { self.shared.nic.register(addr, len) }.map_err(|e| {
+            Error::io(
+                format!(
+                    "register {len} bytes at {addr:p} with {}",
+                    self.shared.nic.device().name
+                ),
+                e,
+            )
+        })?;
+        cache.push((region, 1));
+        Ok(region)
+    }
+
+    /// Ends one registration that [`RdmaNet::register`] returned; the device
+    /// registration goes when the last one that shares it does.
+    pub fn deregister(&self, region: &Region) -> Result<()> {
+        let mut cache = lock(&self.shared.registrations);
+        let at = cache.iter().position(|(r, _)| r == region).ok_or_else(|| {
+            Error::invalid(format!(
+                "{region:?} is not registered with this communicator"
+            ))
+        })?;
+        cache[at].1 -= 1;
+        if cache[at].1 == 0 {
+            let (region, _) = cache.remove(at);
+            self.shared
+                .nic
+                .deregister(&region)
+                .map_err(|e| Error::io(format!("deregister {region:?}"), e))?;
+        }
+        Ok(())
+    }
 }
 
 /// A link's local half before its peer's is known.
@@ -1140,6 +1191,9 @@ impl Drop for RdmaNet {
             let _ = sh.nic.deregister(&link.out_region);
             let _ = sh.nic.deregister(&link.in_region);
         }
+        for (region, _) in lock(&sh.registrations).drain(..) {
+            let _ = sh.nic.deregister(&region);
+        }
     }
 }
 
@@ -1171,5 +1225,117 @@ impl RdmaLink {
     /// Closes this side, telling the peer why.
     pub fn close(&self, why: Closed) {
         self.shared.close(self.index, why);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(name: &str, port: u8) -> DeviceInfo {
+        DeviceInfo {
+            name: name.into(),
+            port,
+            gbps: 100.0,
+            link_layer: "InfiniBand",
+        }
+    }
+
+    #[test]
+    fn nccl_ib_hca_selects_excludes_and_matches_exactly_as_nccl() {
+        let f = HcaFilter::parse("mlx5").unwrap();
+        assert!(f.allows(&dev("mlx5_0", 1)) && f.allows(&dev("mlx5_10", 2)));
+        assert!(!f.allows(&dev("rxe0", 1)));
+        let f = HcaFilter::parse("mlx5_0:1,mlx5_1").unwrap();
+        assert!(f.allows(&dev("mlx5_0", 1)) && !f.allows(&dev("mlx5_0", 2)));
+        assert!(f.allows(&dev("mlx5_1", 2)));
+        // Prefix matching: mlx5_1 also selects mlx5_10, unless exact.
+        assert!(f.allows(&dev("mlx5_10", 1)));
+        let f = HcaFilter::parse("=mlx5_1").unwrap();
+        assert!(f.allows(&dev("mlx5_1", 1)) && !f.allows(&dev("mlx5_10", 1)));
+        let f = HcaFilter::parse("^=mlx5_1").unwrap();
+        assert!(!f.allows(&dev("mlx5_1", 1)) && f.allows(&dev("mlx5_10", 1)));
+        let f = HcaFilter::parse("^mlx5_0:2").unwrap();
+        assert!(f.allows(&dev("mlx5_0", 1)) && !f.allows(&dev("mlx5_0", 2)));
+        for bad in ["", "^", "mlx5_0:x", "mlx5_0:0", ":1", "=,"] {
+            assert!(HcaFilter::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_naming_them() {
+        let c = RdmaConfig {
+            timeout: 0,
+            ..RdmaConfig::default()
+        };
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("NCCL_IB_TIMEOUT")
+        );
+        let c = RdmaConfig {
+            retry_cnt: 8,
+            ..RdmaConfig::default()
+        };
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("NCCL_IB_RETRY_CNT")
+        );
+        let c = RdmaConfig {
+            qps_per_connection: 0,
+            ..RdmaConfig::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("NCCL_IB_QPS_PER_CONNECTION"), "{e}");
+        assert!(RdmaConfig::default().validate().is_ok());
+        // NCCL's default timeout (20) and retry count (7): 4.3 s a try, 8 tries.
+        let o = RdmaConfig::default().qp_options(8);
+        assert_eq!(
+            o.transport_timeout(),
+            Duration::from_nanos(4096) * (1 << 20) * 8
+        );
+    }
+
+    #[test]
+    fn immediate_data_carries_kind_sequence_and_length() {
+        for (slot, len) in [
+            (0u64, 0usize),
+            (63, 1),
+            (64, MAX_SLOT_BYTES),
+            (1 << 40, 12345),
+        ] {
+            let imm = data_imm(slot, len);
+            assert_eq!(imm >> KIND_SHIFT, KIND_DATA);
+            assert_eq!(u64::from((imm & VALUE_MASK) >> LEN_BITS), slot & SEQ_MASK);
+            assert_eq!((imm & ((1 << LEN_BITS) - 1)) as usize, len);
+        }
+        // Credits carry the tail mod 2^30; the sender's count grows by the difference,
+        // across the wrap of the 32-bit tail too.
+        let mut credited: u64 = (1 << 32) - 3;
+        for tail in [u32::MAX - 1, u32::MAX, 0, 5] {
+            let value = tail & VALUE_MASK;
+            let delta = value.wrapping_sub(credited as u32 & VALUE_MASK) & VALUE_MASK;
+            credited += u64::from(delta);
+            assert_eq!(credited as u32, tail);
+        }
+    }
+
+    #[test]
+    fn without_an_rdma_device_libibverbs_says_why() {
+        let present = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|d| d.count() > 0);
+        match open_nic(&RdmaConfig::default(), 0) {
+            Ok(nic) => assert!(
+                present,
+                "opened {:?} without /sys/class/infiniband",
+                nic.device()
+            ),
+            Err(why) => {
+                eprintln!("no RDMA here: {why}");
+                assert!(why.contains("RDMA") || why.contains("libibverbs"), "{why}");
+            }
+        }
     }
 }
