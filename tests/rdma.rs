@@ -16,6 +16,8 @@ use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::store::{HashStore, Store};
 use ferroccl::transport::NetChoice;
 use ferroccl::transport::rdma::sim::{Fault, SimFabric};
+use ferroccl::transport::rdma::verbs::Provider;
+use ferroccl::transport::rdma::{RdmaConfig, open_nic};
 use ferroccl::tune::LinkCost;
 use ferroccl::{Communicator, DataType, Error, ReduceOp};
 
@@ -23,6 +25,17 @@ use ferroccl::{Communicator, DataType, Error, ReduceOp};
 /// over `fabric` only (`NCCL_NET=IB`: a fallback to TCP would be an error).
 fn start(
     fabric: &Arc<SimFabric>,
+    hosts: usize,
+    per_host: usize,
+    config: &CommConfig,
+) -> Vec<Communicator> {
+    let provider: Arc<dyn Provider> = fabric.clone();
+    start_on(Some(provider), hosts, per_host, config)
+}
+
+/// As [`start`], over `provider` (`None`: libibverbs, the real devices).
+fn start_on(
+    provider: Option<Arc<dyn Provider>>,
     hosts: usize,
     per_host: usize,
     config: &CommConfig,
@@ -35,7 +48,7 @@ fn start(
                 let store: Arc<dyn Store> = Arc::new(store.clone());
                 let mut config = config.clone();
                 config.net = NetChoice::Ib;
-                config.rdma.provider = Some(fabric.clone());
+                config.rdma.provider = provider.clone();
                 config.bootstrap.host_id = Some(format!("simhost{}", rank / per_host));
                 s.spawn(move || {
                     let boot = Bootstrap::new(store, rank, n, &config.bootstrap)?;
@@ -460,4 +473,51 @@ fn user_buffers_are_registered_through_a_cache() {
     drop(comms);
     assert_nothing_left(&fabric);
     drop((a, b));
+}
+
+/// The same transport on this machine's real RDMA device, when it has one (an
+/// InfiniBand or RoCE NIC, or SoftRoCE: `tools/rdma-check` sets one up): ranks as
+/// threads standing for 2 hosts, each with its own device context, their queue pairs
+/// connected through the NIC. Skips, saying why, without a device.
+#[test]
+fn the_collective_grid_on_a_real_rdma_device() {
+    let config = RdmaConfig::from_env().unwrap();
+    let nic = match open_nic(&config, 0) {
+        Ok(nic) => nic,
+        Err(why) => {
+            eprintln!("SKIPPED the_collective_grid_on_a_real_rdma_device: {why}");
+            return;
+        }
+    };
+    eprintln!("running on {}", nic.device());
+    drop(nic);
+    for (hosts, per_host) in [(2, 1), (2, 2)] {
+        let mut comm_config = small_fifos(2);
+        comm_config.rdma = config.clone();
+        let comms = start_on(None, hosts, per_host, &comm_config);
+        let n = comms.len();
+        let calls: Vec<common::Call> = collectives(n)
+            .into_iter()
+            .flat_map(|c| {
+                common::calls_of(
+                    c,
+                    &[DataType::Int32, DataType::Float32, DataType::Uint8],
+                    &COUNTS,
+                )
+            })
+            .collect();
+        let wrong = common::run_calls(&comms, &calls);
+        assert!(
+            wrong.is_empty(),
+            "{} of {} checks failed on the real device, e.g.:\n{}",
+            wrong.len(),
+            calls.len() * n,
+            wrong
+                .iter()
+                .take(10)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
 }

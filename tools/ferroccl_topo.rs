@@ -1,7 +1,8 @@
 //! `ferroccl-topo`: this host's topology, and the rings and trees a job would use.
 //!
 //! ```text
-//! ferroccl-topo                                  # NUMA nodes, CPUs, NICs, GPUs, PCI distances
+//! ferroccl-topo                                  # NUMA nodes, CPUs, NICs, GPUs, PCI distances,
+//!                                                # the RDMA device ranks would use
 //! ferroccl-topo --hosts 4 --ranks-per-host 2     # plus the rings and double binary tree
 //! ferroccl-topo --json                           # the same as JSON
 //! ```
@@ -14,6 +15,22 @@ use std::process::ExitCode;
 use ferroccl::plan::PlanOptions;
 use ferroccl::plan::tree::RankTree;
 use ferroccl::topo::HostTopology;
+
+/// The network ranks of this host would use, as JSON.
+fn network_json() -> serde_json::Value {
+    let (rdma, why) = match ferroccl::transport::rdma_device_here() {
+        Ok(dev) => (Some(dev), None),
+        Err(why) => (None, Some(why)),
+    };
+    serde_json::json!({
+        "rdma_device": rdma,
+        "no_rdma_because": why,
+        "gpudirect_rdma": match ferroccl::topo::gpudirect_rdma() {
+            Ok(module) => serde_json::json!({ "available": true, "module": module }),
+            Err(why) => serde_json::json!({ "available": false, "why": why }),
+        },
+    })
+}
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -52,7 +69,10 @@ fn main() -> ExitCode {
     let labels: Option<Vec<usize>> =
         hosts.map(|h| (0..h * per_host).map(|r| r / per_host).collect());
     if json {
-        let mut doc = serde_json::json!({ "this_host": host.to_json() });
+        let mut doc = serde_json::json!({
+            "this_host": host.to_json(),
+            "network": network_json(),
+        });
         if let Some(labels) = &labels {
             let rings = PlanOptions::for_hosts(labels, channels, 1).rings;
             let trees: Vec<_> = (0..2)
@@ -103,6 +123,18 @@ fn main() -> ExitCode {
         Some(why) if host.gpus.is_empty() => println!("  no GPUs ({why})"),
         Some(why) => println!("  ({why}: GPUs from sysfs, NVLink unknown)"),
         None => {}
+    }
+    match ferroccl::transport::rdma_device_here() {
+        Ok(dev) => println!(
+            "  network: every rank here reaches ranks on other hosts over RDMA through {dev}"
+        ),
+        Err(why) => println!("  network: TCP to ranks on other hosts (no RDMA: {why})"),
+    }
+    if !host.gpus.is_empty() {
+        match ferroccl::topo::gpudirect_rdma() {
+            Ok(module) => println!("  GPUDirect RDMA: available ({module} loaded)"),
+            Err(why) => println!("  GPUDirect RDMA: not available ({why})"),
+        }
     }
     let (names, rows) = host.distance_matrix();
     if names.len() > 1 {

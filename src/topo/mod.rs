@@ -303,6 +303,27 @@ fn detect_gpus() -> (Vec<Gpu>, Option<String>) {
     }
 }
 
+/// Whether GPUDirect RDMA is possible here, i.e. whether a NIC may read and write GPU
+/// memory: `Ok` names the kernel module that provides it (`nvidia_peermem`, or the older
+/// `nv_peer_mem`), `Err` says why not. ferroccl only reports it: its device path does
+/// not cross hosts yet, so device buffers never reach an RDMA NIC.
+pub fn gpudirect_rdma() -> std::result::Result<&'static str, String> {
+    gpudirect_rdma_in(std::path::Path::new("/sys/module"))
+}
+
+fn gpudirect_rdma_in(modules: &std::path::Path) -> std::result::Result<&'static str, String> {
+    for module in ["nvidia_peermem", "nv_peer_mem"] {
+        if modules.join(module).exists() {
+            return Ok(module);
+        }
+    }
+    Err(if modules.join("nvidia").exists() {
+        "the NVIDIA driver is loaded but nvidia_peermem is not (modprobe nvidia_peermem)".into()
+    } else {
+        "no NVIDIA driver loaded".into()
+    })
+}
+
 /// The nearest NIC to a device on the PCI tree, by [`PciDistance`].
 pub fn nearest_nic<'a>(nics: &'a [Nic], device_path: &[String]) -> Option<(&'a Nic, PciDistance)> {
     nics.iter()
@@ -421,5 +442,17 @@ mod tests {
         // Round-robin ranks: the rings still visit each host once.
         let rings = crate::plan::PlanOptions::for_hosts(&host_labels(&peers), 2, 1).rings;
         assert_eq!(rings, [vec![0, 2, 1, 3], vec![3, 1, 2, 0]]);
+    }
+
+    #[test]
+    fn gpudirect_rdma_is_found_by_its_kernel_module() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = gpudirect_rdma_in(dir.path()).unwrap_err();
+        assert!(e.contains("no NVIDIA driver"), "{e}");
+        std::fs::create_dir(dir.path().join("nvidia")).unwrap();
+        let e = gpudirect_rdma_in(dir.path()).unwrap_err();
+        assert!(e.contains("modprobe nvidia_peermem"), "{e}");
+        std::fs::create_dir(dir.path().join("nvidia_peermem")).unwrap();
+        assert_eq!(gpudirect_rdma_in(dir.path()), Ok("nvidia_peermem"));
     }
 }

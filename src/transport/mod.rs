@@ -120,6 +120,19 @@ pub struct TransportConfig {
     pub rdma: rdma::RdmaConfig,
 }
 
+/// The RDMA device port the ranks of this host would use for peers on other hosts, as
+/// the transport picks it (the first port that `NCCL_IB_HCA` allows), or why there is
+/// none. For `ferroccl-topo`.
+pub fn rdma_device_here() -> std::result::Result<String, String> {
+    #[cfg(feature = "rdma")]
+    {
+        let config = rdma::RdmaConfig::from_env().map_err(|e| e.to_string())?;
+        rdma::open_nic(&config, 0).map(|nic| nic.device().to_string())
+    }
+    #[cfg(not(feature = "rdma"))]
+    Err("ferroccl was built without the `rdma` feature".into())
+}
+
 /// A link to a peer on another host, over TCP or RDMA: the engine sees the same FIFOs.
 enum NetLink {
     Tcp(TcpLink),
@@ -766,11 +779,7 @@ impl Connections {
     pub fn net_device(&self) -> Option<String> {
         #[cfg(feature = "rdma")]
         if let Some(net) = &self.rdma {
-            let d = net.device();
-            return Some(format!(
-                "{}:{} ({}, {} Gb/s)",
-                d.name, d.port, d.link_layer, d.gbps
-            ));
+            return Some(net.device().to_string());
         }
         None
     }
@@ -897,12 +906,8 @@ impl NetDevice {
         #[cfg(feature = "rdma")]
         match rdma::open_nic(&config.rdma, rank) {
             Ok(nic) => {
-                let dev = nic.device();
-                d.device = Some(format!(
-                    "{}:{} ({}, {} Gb/s)",
-                    dev.name, dev.port, dev.link_layer, dev.gbps
-                ));
-                d.gbps = dev.gbps;
+                d.device = Some(nic.device().to_string());
+                d.gbps = nic.device().gbps;
                 d.nic = Some(nic);
             }
             Err(why) => d.unusable = Some(why),

@@ -288,7 +288,7 @@ impl HcaFilter {
     }
 }
 
-/// Opens the device port this rank will use: the first the provider lists that
+/// Opens the device port this rank will use: the first (by name, then port) that
 /// `NCCL_IB_HCA` allows. `Err` says why there is none (no libibverbs, no device, all
 /// excluded, the port would not open).
 pub fn open_nic(config: &RdmaConfig, owner: usize) -> std::result::Result<Arc<dyn Nic>, String> {
@@ -296,16 +296,21 @@ pub fn open_nic(config: &RdmaConfig, owner: usize) -> std::result::Result<Arc<dy
         Some(p) => p.clone(),
         None => Arc::new(ibv::Libibverbs::load()?),
     };
-    let devices = provider
-        .devices()
-        .map_err(|e| format!("no RDMA device: listing devices failed: {e}"))?;
+    let devices = provider.devices().map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOSYS) => {
+            format!("no RDMA device: this kernel has no RDMA support (listing devices: {e})")
+        }
+        _ => format!("no RDMA device: listing devices failed: {e}"),
+    })?;
     if devices.is_empty() {
         return Err("no RDMA device found".into());
     }
-    let allowed: Vec<&DeviceInfo> = devices
+    // In name and port order, so that every rank of a host picks the same port.
+    let mut allowed: Vec<&DeviceInfo> = devices
         .iter()
         .filter(|d| config.hca.as_ref().is_none_or(|f| f.allows(d)))
         .collect();
+    allowed.sort_by(|a, b| (&a.name, a.port).cmp(&(&b.name, b.port)));
     let Some(device) = allowed.first() else {
         let names: Vec<String> = devices
             .iter()

@@ -28,6 +28,17 @@ pub struct DeviceInfo {
     pub link_layer: &'static str,
 }
 
+impl fmt::Display for DeviceInfo {
+    /// `mlx5_0:1 (InfiniBand, 200 Gb/s)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{} ({}, {} Gb/s)",
+            self.name, self.port, self.link_layer, self.gbps
+        )
+    }
+}
+
 /// Registered memory: what a local work request names (`lkey`) and what a peer writes
 /// to (`addr`, `rkey`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
