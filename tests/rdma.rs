@@ -521,3 +521,79 @@ fn the_collective_grid_on_a_real_rdma_device() {
         );
     }
 }
+
+/// Starts `n` ranks, each on a host of its own, with `configure(rank, config)` applied
+/// to its settings; returns what each rank's initialisation gave.
+fn start_each(
+    n: usize,
+    configure: impl Fn(usize, &mut CommConfig) + Sync,
+) -> Vec<ferroccl::Result<Communicator>> {
+    let store = HashStore::new();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let store: Arc<dyn Store> = Arc::new(store.clone());
+                let mut config = small_fifos(1);
+                config.bootstrap.host_id = Some(format!("h{rank}"));
+                config.bootstrap.timeout = Duration::from_secs(20);
+                configure(rank, &mut config);
+                s.spawn(move || {
+                    let boot = Bootstrap::new(store, rank, n, &config.bootstrap)?;
+                    Communicator::from_bootstrap(boot, config)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Three hosts, the third without a device: ranks 0 and 1 talk over RDMA, every pair
+/// with rank 2 over TCP, and the collectives are right.
+#[test]
+fn rdma_and_tcp_pairs_in_one_job() {
+    let fabric = SimFabric::new();
+    let no_device = SimFabric::with_devices(Vec::new());
+    let comms: Vec<Communicator> = start_each(3, |rank, config| {
+        let provider: Arc<dyn Provider> = if rank == 2 {
+            no_device.clone()
+        } else {
+            fabric.clone()
+        };
+        config.rdma.provider = Some(provider);
+    })
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    // Ranks 0 and 1: one link each way on the collective channel and the p2p one.
+    assert_eq!(fabric.live_qps(), 2 * 2);
+    // The cost model keeps TCP's numbers: not every pair is over RDMA.
+    assert_ne!(comms[0].cost_model().0.net, LinkCost::rdma(100.0));
+    let calls: Vec<common::Call> = collectives(3)
+        .into_iter()
+        .flat_map(|c| common::calls_of(c, &[DataType::Int32], &[0, 1, 7, 5000]))
+        .collect();
+    let wrong = common::run_calls(&comms, &calls);
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// Ranks that disagree on the queue pairs per link all fail at initialisation, at
+/// once and naming a rank, instead of waiting for one another.
+#[test]
+fn ranks_that_disagree_on_queue_pairs_fail_at_init() {
+    let fabric = SimFabric::new();
+    let start = Instant::now();
+    let results = start_each(3, |rank, config| {
+        config.net = NetChoice::Ib;
+        config.rdma.provider = Some(fabric.clone());
+        config.rdma.qps_per_connection = if rank == 1 { 2 } else { 1 };
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().map(|_| ()).unwrap_err().to_string();
+        eprintln!("rank {rank}: {e}");
+        assert!(e.contains("rank "), "rank {rank}: {e}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    assert_nothing_left(&fabric);
+}

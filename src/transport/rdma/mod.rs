@@ -868,10 +868,6 @@ impl RdmaNet {
                 }
             }
         };
-        if let Some(e) = nets_error {
-            cleanup(&nic, local);
-            return Err(e);
-        }
         let all = match all {
             Ok(all) => all,
             Err(e) => {
@@ -879,10 +875,13 @@ impl RdmaNet {
                 return Err(e);
             }
         };
-        let Some(nic) = nic.filter(|_| !specs.is_empty()) else {
-            return Ok((None, Vec::new()));
-        };
         let connected = (|| -> Result<()> {
+            if let Some(e) = nets_error {
+                return Err(e);
+            }
+            let Some(nic) = nic.as_ref().filter(|_| !specs.is_empty()) else {
+                return Ok(());
+            };
             for (spec, p) in specs.iter().zip(&mut local) {
                 let (endpoints, remote) = find_peer_link(&all, spec.peer, spec.channel, rank)?;
                 if endpoints.len() != p.endpoints.len() {
@@ -908,12 +907,26 @@ impl RdmaNet {
             }
             Ok(())
         })();
-        // Every queue pair must be connected before anyone writes.
-        let barrier = boot.barrier();
-        if let Err(e) = connected.and(barrier) {
-            cleanup(&Some(nic), local);
+        // Every rank says whether its links are ready, whatever happened above: no queue
+        // pair is written before every one is connected, and a rank that failed is named
+        // by every other instead of leaving them to wait.
+        let ready = boot.all_gather(&[u8::from(connected.is_ok())]);
+        let verdict = connected.and(ready).and_then(|ready| {
+            match ready.iter().position(|r| r.first() != Some(&1)) {
+                None => Ok(()),
+                Some(r) => Err(Error::BootstrapData {
+                    rank: r,
+                    detail: "could not set up its RDMA links".into(),
+                }),
+            }
+        });
+        if let Err(e) = verdict {
+            cleanup(&nic, local);
             return Err(e);
         }
+        let Some(nic) = nic.filter(|_| !specs.is_empty()) else {
+            return Ok((None, Vec::new()));
+        };
         let mut links = Vec::new();
         let mut engine_ends = Vec::new();
         for (spec, p) in specs.iter().zip(local) {
