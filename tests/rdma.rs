@@ -482,7 +482,7 @@ fn user_buffers_are_registered_through_a_cache() {
 #[test]
 fn the_collective_grid_on_a_real_rdma_device() {
     let config = RdmaConfig::from_env().unwrap();
-    let nic = match open_nic(&config, 0) {
+    let nic = match open_nic(&config, 0, 64) {
         Ok(nic) => nic,
         Err(why) => {
             eprintln!("SKIPPED the_collective_grid_on_a_real_rdma_device: {why}");
@@ -594,6 +594,10 @@ fn ranks_that_disagree_on_queue_pairs_fail_at_init() {
         eprintln!("rank {rank}: {e}");
         assert!(e.contains("rank "), "rank {rank}: {e}");
     }
-    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
     assert_nothing_left(&fabric);
 }

@@ -127,7 +127,7 @@ pub fn rdma_device_here() -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
         let config = rdma::RdmaConfig::from_env().map_err(|e| e.to_string())?;
-        rdma::open_nic(&config, 0).map(|nic| nic.device().to_string())
+        rdma::open_nic(&config, 0, 64).map(|nic| nic.device().to_string())
     }
     #[cfg(not(feature = "rdma"))]
     Err("ferroccl was built without the `rdma` feature".into())
@@ -904,7 +904,17 @@ impl NetDevice {
             return d;
         }
         #[cfg(feature = "rdma")]
-        match rdma::open_nic(&config.rdma, rank) {
+        // At most one link per channel (and the point-to-point one) and peer.
+        let links = (config.rings.len() + 1)
+            * config
+                .rings
+                .first()
+                .map_or(0, |r| r.len().saturating_sub(1));
+        match rdma::open_nic(
+            &config.rdma,
+            rank,
+            config.rdma.cq_entries(links, config.geometry.slots),
+        ) {
             Ok(nic) => {
                 d.device = Some(nic.device().to_string());
                 d.gbps = nic.device().gbps;

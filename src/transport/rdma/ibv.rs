@@ -249,7 +249,12 @@ impl Provider for Libibverbs {
         })
     }
 
-    fn open(&self, device: &DeviceInfo, owner: usize) -> io::Result<Arc<dyn Nic>> {
+    fn open(
+        &self,
+        device: &DeviceInfo,
+        owner: usize,
+        cq_entries: usize,
+    ) -> io::Result<Arc<dyn Nic>> {
         let lib = self.lib.clone();
         let ctx = self.with_devices(|devices| {
             let dev = devices
@@ -269,7 +274,8 @@ impl Provider for Libibverbs {
             }
             Ok(ctx)
         })?;
-        IbvNic::new(lib, ctx, device.clone(), owner).map(|n| Arc::new(n) as Arc<dyn Nic>)
+        IbvNic::new(lib, ctx, device.clone(), owner, cq_entries)
+            .map(|n| Arc::new(n) as Arc<dyn Nic>)
     }
 }
 
@@ -302,16 +308,15 @@ unsafe impl Send for IbvNic {}
 // SAFETY: as above.
 unsafe impl Sync for IbvNic {}
 
-/// Completion queue entries per device (every link's queue pairs share it).
-const CQ_DEPTH: c_int = 1 << 16;
-
 impl IbvNic {
     fn new(
         lib: Arc<Lib>,
         ctx: *mut ffi::ibv_context,
         device: DeviceInfo,
         owner: usize,
+        cq_entries: usize,
     ) -> io::Result<Self> {
+        let cq_depth = c_int::try_from(cq_entries.max(1)).unwrap_or(c_int::MAX);
         let mut attr = ffi::ibv_port_attr::default();
         // SAFETY: `ctx` is open; `attr` is a valid out-pointer.
         let rc = unsafe { (lib.query_port)(ctx, device.port, &mut attr) };
@@ -328,7 +333,7 @@ impl IbvNic {
             if channel.is_null() {
                 std::ptr::null_mut()
             } else {
-                (lib.create_cq)(ctx, CQ_DEPTH, std::ptr::null_mut(), channel, 0)
+                (lib.create_cq)(ctx, cq_depth, std::ptr::null_mut(), channel, 0)
             }
         };
         // SAFETY: a plain system call.
@@ -350,7 +355,7 @@ impl IbvNic {
         if pd.is_null() || channel.is_null() || nic.cq.is_null() || wake < 0 {
             return Err(io::Error::other(format!(
                 "rank {owner}: setting up {}:{} failed (protection domain, completion \
-                 channel, completion queue of {CQ_DEPTH} or eventfd)",
+                 channel, completion queue of {cq_depth} entries, or eventfd)",
                 nic.device.name, nic.device.port
             )));
         }

@@ -206,6 +206,13 @@ impl RdmaConfig {
         Ok(())
     }
 
+    /// Completion queue entries for `links` links carrying FIFOs of `slots` slots: every
+    /// work request their queue pairs can have outstanding.
+    pub fn cq_entries(&self, links: usize, slots: usize) -> usize {
+        let o = self.qp_options(slots);
+        links * self.qps_per_connection * (o.max_send + o.max_recv) as usize
+    }
+
     /// The settings of every queue pair of a link carrying FIFOs of `slots` slots.
     fn qp_options(&self, slots: usize) -> QpOptions {
         // Per queue pair at most `slots` data writes and `slots` credits are in flight,
@@ -291,7 +298,11 @@ impl HcaFilter {
 /// Opens the device port this rank will use: the first (by name, then port) that
 /// `NCCL_IB_HCA` allows. `Err` says why there is none (no libibverbs, no device, all
 /// excluded, the port would not open).
-pub fn open_nic(config: &RdmaConfig, owner: usize) -> std::result::Result<Arc<dyn Nic>, String> {
+pub fn open_nic(
+    config: &RdmaConfig,
+    owner: usize,
+    cq_entries: usize,
+) -> std::result::Result<Arc<dyn Nic>, String> {
     let provider: Arc<dyn Provider> = match &config.provider {
         Some(p) => p.clone(),
         None => Arc::new(ibv::Libibverbs::load()?),
@@ -322,7 +333,7 @@ pub fn open_nic(config: &RdmaConfig, owner: usize) -> std::result::Result<Arc<dy
         ));
     };
     provider
-        .open(device, owner)
+        .open(device, owner, cq_entries)
         .map_err(|e| format!("opening RDMA device {}:{}: {e}", device.name, device.port))
 }
 
@@ -1344,7 +1355,7 @@ mod tests {
     #[test]
     fn without_an_rdma_device_libibverbs_says_why() {
         let present = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|d| d.count() > 0);
-        match open_nic(&RdmaConfig::default(), 0) {
+        match open_nic(&RdmaConfig::default(), 0, 64) {
             Ok(nic) => assert!(
                 present,
                 "opened {:?} without /sys/class/infiniband",

@@ -77,6 +77,10 @@ struct World {
 #[derive(Debug, Default)]
 struct NicRec {
     owner: usize,
+    /// Completion queue entries; one more completion overruns it.
+    cq_capacity: usize,
+    /// Set once the queue overran: the device context is unusable.
+    overrun: bool,
     regions: Vec<Region>,
     cq: VecDeque<Completion>,
     interrupted: bool,
@@ -198,7 +202,12 @@ impl Provider for SimFabric {
         Ok(self.inner.devices.clone())
     }
 
-    fn open(&self, device: &DeviceInfo, owner: usize) -> io::Result<Arc<dyn Nic>> {
+    fn open(
+        &self,
+        device: &DeviceInfo,
+        owner: usize,
+        cq_entries: usize,
+    ) -> io::Result<Arc<dyn Nic>> {
         if !self.inner.devices.contains(device) {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
@@ -212,6 +221,7 @@ impl Provider for SimFabric {
             id,
             NicRec {
                 owner,
+                cq_capacity: cq_entries.max(1),
                 ..NicRec::default()
             },
         );
@@ -258,9 +268,21 @@ impl World {
         self.nics.get(&nic)?.regions.iter().copied().find(pred)
     }
 
+    /// Queues a completion; past the queue's capacity the queue overruns, which breaks
+    /// the device context, as on hardware (`IBV_EVENT_CQ_ERR`).
     fn complete(&mut self, nic: u64, c: Completion) {
-        if let Some(n) = self.nics.get_mut(&nic) {
+        let Some(n) = self.nics.get_mut(&nic) else {
+            return;
+        };
+        if n.cq.len() < n.cq_capacity {
             n.cq.push_back(c);
+            return;
+        }
+        n.overrun = true;
+        for q in self.qps.values_mut().filter(|q| q.nic == nic) {
+            q.state = QpState::Error;
+            q.sends.clear();
+            q.recvs.clear();
         }
     }
 
@@ -417,13 +439,16 @@ impl World {
                     if rn.lose_completions > 0 {
                         rn.lose_completions -= 1;
                     } else {
-                        rn.cq.push_back(Completion {
-                            wr_id: recv_id,
-                            qpn: rqpn,
-                            status: WcStatus::Success,
-                            kind: WcKind::Recv,
-                            imm,
-                        });
+                        self.complete(
+                            rnic,
+                            Completion {
+                                wr_id: recv_id,
+                                qpn: rqpn,
+                                status: WcStatus::Success,
+                                kind: WcKind::Recv,
+                                imm,
+                            },
+                        );
                     }
                 }
                 moved = true;
@@ -605,7 +630,11 @@ impl Nic for SimNic {
 
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<()> {
         let mut w = self.inner.lock();
-        let cq = &mut w.nics.get_mut(&self.id).expect("open device").cq;
+        let n = w.nics.get_mut(&self.id).expect("open device");
+        if n.overrun {
+            return Err(io::Error::other("the completion queue overran"));
+        }
+        let cq = &mut n.cq;
         let n = max.min(cq.len());
         out.extend(cq.drain(..n));
         Ok(())
@@ -669,5 +698,165 @@ impl Drop for SimNic {
         if let Some(n) = w.nics.remove(&id) {
             w.leaked_regions += n.regions.len();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPTIONS: QpOptions = QpOptions {
+        max_send: 8,
+        max_recv: 8,
+        timeout: 10,
+        retry_cnt: 0,
+        gid_index: 0,
+    };
+
+    /// Two devices of one fabric with one connected queue pair each.
+    fn pair(fabric: &SimFabric, cq: usize) -> (Arc<dyn Nic>, u32, Arc<dyn Nic>, u32) {
+        let dev = fabric.devices().unwrap()[0].clone();
+        let (a, b) = (
+            fabric.open(&dev, 0, cq).unwrap(),
+            fabric.open(&dev, 1, cq).unwrap(),
+        );
+        let (ea, eb) = (
+            a.create_qp(&OPTIONS).unwrap(),
+            b.create_qp(&OPTIONS).unwrap(),
+        );
+        a.connect(ea.qpn, &eb).unwrap();
+        b.connect(eb.qpn, &ea).unwrap();
+        (a, ea.qpn, b, eb.qpn)
+    }
+
+    fn next(nic: &dyn Nic) -> Completion {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut out = Vec::new();
+            nic.poll(&mut out, 1).unwrap();
+            if let Some(c) = out.pop() {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "no completion");
+            nic.wait(Duration::from_millis(50));
+        }
+    }
+
+    #[test]
+    fn writes_land_without_the_peer_and_complete_in_order() {
+        let fabric = SimFabric::new();
+        let (a, qa, b, qb) = pair(&fabric, 64);
+        let mut src = vec![7u8; 64];
+        let mut dst = vec![0u8; 64];
+        // SAFETY: both buffers outlive their registrations (ended below).
+        let (ra, rb) = unsafe {
+            (
+                a.register(src.as_mut_ptr(), 64).unwrap(),
+                b.register(dst.as_mut_ptr(), 64).unwrap(),
+            )
+        };
+        let local = |off: u64, len: u32| Local {
+            addr: ra.addr + off,
+            len,
+            lkey: ra.lkey,
+        };
+        let remote = |off: u64| Remote {
+            addr: rb.addr + off,
+            rkey: rb.rkey,
+        };
+        // SAFETY: registered memory, unchanged until the completions below.
+        unsafe {
+            a.post_write(qa, 1, local(0, 32), remote(0), None).unwrap();
+            a.post_write(qa, 2, local(32, 32), remote(32), Some(99))
+                .unwrap();
+        }
+        assert_eq!(next(a.as_ref()).wr_id, 1);
+        // The write with immediate data waits for a receive (RNR), then lands.
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(dst[32], 0, "no receive posted yet");
+        b.post_recv(qb, 5).unwrap();
+        assert_eq!(next(a.as_ref()).wr_id, 2);
+        let c = next(b.as_ref());
+        assert_eq!((c.wr_id, c.kind, c.imm), (5, WcKind::Recv, Some(99)));
+        assert_eq!(dst, vec![7u8; 64]);
+        a.deregister(&ra).unwrap();
+        b.deregister(&rb).unwrap();
+    }
+
+    #[test]
+    fn bad_keys_errors_and_overruns_behave_as_on_hardware() {
+        let fabric = SimFabric::new();
+        let (a, qa, b, qb) = pair(&fabric, 64);
+        let mut buf = vec![0u8; 64];
+        // SAFETY: outlives the registration (ended below).
+        let r = unsafe { a.register(buf.as_mut_ptr(), 64).unwrap() };
+        let local = Local {
+            addr: r.addr,
+            len: 8,
+            lkey: r.lkey,
+        };
+        // A write to memory the peer never registered: remote access error, and the
+        // queue pair goes to the error state (later requests are flushed).
+        let nowhere = Remote {
+            addr: 4096,
+            rkey: 1,
+        };
+        // SAFETY: registered memory.
+        unsafe {
+            a.post_write(qa, 1, local, nowhere, None).unwrap();
+            a.post_write(qa, 2, local, nowhere, None).unwrap();
+        }
+        assert_eq!(next(a.as_ref()).status, WcStatus::RemoteAccess);
+        assert_eq!(next(a.as_ref()).status, WcStatus::Flushed);
+        assert_eq!(a.qp_state(qa), QpState::Error);
+        // The peer's queue pair no longer answers: its request fails after the
+        // transport timeout (4.096 µs × 2^10, one try ≈ 4 ms).
+        let start = Instant::now();
+        // SAFETY: a write of no bytes.
+        unsafe {
+            b.post_write(
+                qb,
+                3,
+                Local {
+                    addr: 0,
+                    len: 0,
+                    lkey: 0,
+                },
+                Remote {
+                    addr: r.addr,
+                    rkey: r.rkey,
+                },
+                None,
+            )
+            .unwrap();
+        }
+        assert_eq!(next(b.as_ref()).status, WcStatus::RetryExceeded);
+        assert!(start.elapsed() >= OPTIONS.transport_timeout());
+        a.deregister(&r).unwrap();
+        a.destroy_qp(qa);
+        b.destroy_qp(qb);
+        drop((a, b));
+        // A completion queue of 1 entry overruns at the second completion.
+        let (a, qa, b, qb) = pair(&fabric, 1);
+        b.post_recv(qb, 1).unwrap();
+        // SAFETY: writes of no bytes.
+        unsafe {
+            let to = Remote { addr: 0, rkey: 0 };
+            let none = Local {
+                addr: 0,
+                len: 0,
+                lkey: 0,
+            };
+            a.post_write(qa, 1, none, to, None).unwrap();
+            a.post_write(qa, 2, none, to, None).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let mut out = Vec::new();
+        assert!(a.poll(&mut out, 8).is_err());
+        assert_eq!(a.qp_state(qa), QpState::Error);
+        a.destroy_qp(qa);
+        b.destroy_qp(qb);
+        drop((a, b));
+        assert_eq!((fabric.live_qps(), fabric.live_regions()), (0, 0));
     }
 }

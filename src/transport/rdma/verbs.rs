@@ -277,6 +277,14 @@ pub trait Provider: Send + Sync + fmt::Debug {
     /// The device ports present, in the provider's order.
     fn devices(&self) -> io::Result<Vec<DeviceInfo>>;
 
-    /// Opens `device` for rank `owner` (the owner only labels it, in logs and tests).
-    fn open(&self, device: &DeviceInfo, owner: usize) -> io::Result<Arc<dyn Nic>>;
+    /// Opens `device` for rank `owner` (the owner only labels it, in logs and tests),
+    /// with a completion queue of at least `cq_entries` entries: enough for every work
+    /// request its queue pairs can have outstanding, or the queue overruns (a fatal
+    /// error of the device context).
+    fn open(
+        &self,
+        device: &DeviceInfo,
+        owner: usize,
+        cq_entries: usize,
+    ) -> io::Result<Arc<dyn Nic>>;
 }
