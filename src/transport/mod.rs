@@ -904,23 +904,22 @@ impl NetDevice {
             return d;
         }
         #[cfg(feature = "rdma")]
-        // At most one link per channel (and the point-to-point one) and peer.
-        let links = (config.rings.len() + 1)
-            * config
-                .rings
-                .first()
-                .map_or(0, |r| r.len().saturating_sub(1));
-        match rdma::open_nic(
-            &config.rdma,
-            rank,
-            config.rdma.cq_entries(links, config.geometry.slots),
-        ) {
-            Ok(nic) => {
-                d.device = Some(nic.device().to_string());
-                d.gbps = nic.device().gbps;
-                d.nic = Some(nic);
+        {
+            // At most one link per channel (and the point-to-point one) and peer.
+            let links = (config.rings.len() + 1)
+                * config
+                    .rings
+                    .first()
+                    .map_or(0, |r| r.len().saturating_sub(1));
+            let cq_entries = config.rdma.cq_entries(links, config.geometry.slots);
+            match rdma::open_nic(&config.rdma, rank, cq_entries) {
+                Ok(nic) => {
+                    d.device = Some(nic.device().to_string());
+                    d.gbps = nic.device().gbps;
+                    d.nic = Some(nic);
+                }
+                Err(why) => d.unusable = Some(why),
             }
-            Err(why) => d.unusable = Some(why),
         }
         #[cfg(not(feature = "rdma"))]
         {
