@@ -428,6 +428,9 @@ unsafe fn advance(
         if let Some(p) = from {
             conns.read_in_line(channel, p);
         }
+        if let Some(p) = to {
+            conns.poll_for_room(channel, p);
+        }
         let (send, recv) = conns.ends(channel, op.protocol, to, from);
         let (mut send, mut recv) = match (
             to.is_some() == send.is_some(),

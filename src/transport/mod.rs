@@ -165,6 +165,16 @@ impl NetLink {
         }
     }
 
+    /// Before the engine looks for room in the FIFO towards the peer: RDMA links poll
+    /// their completions (credits) in line; TCP links have nothing to do.
+    fn poll_for_room(&self) {
+        match self {
+            NetLink::Tcp(_) => {}
+            #[cfg(feature = "rdma")]
+            NetLink::Rdma(l) => l.read_in_line(),
+        }
+    }
+
     fn stop_reading(&self) {
         match self {
             NetLink::Tcp(l) => l.stop_reading(),
@@ -763,6 +773,14 @@ impl Connections {
         }
         if let Some(link) = self.link(channel, peer) {
             link.read_in_line();
+        }
+    }
+
+    /// Before the engine looks for room in the FIFO towards `peer` on `channel`: an RDMA
+    /// link polls its completions in line, so credits are seen without waking its proxy.
+    pub fn poll_for_room(&self, channel: usize, peer: usize) {
+        if let Some(link) = self.link(channel, peer) {
+            link.poll_for_room();
         }
     }
 

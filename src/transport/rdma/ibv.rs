@@ -12,7 +12,8 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use ibverbs_sys as ffi;
@@ -196,6 +197,14 @@ fn lanes(width: u8) -> f64 {
     }
 }
 
+/// The port's rate from sysfs (`/sys/class/infiniband/DEV/ports/N/rate`, e.g. `400 Gb/sec
+/// (4X XDR)`), in Gb/s.
+fn sysfs_rate(device: &str, port: u8) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/{port}/rate"))
+        .ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
 fn device_name(lib: &Lib, dev: *mut ffi::ibv_device) -> String {
     // SAFETY: `dev` is a device of a live list; the name is a C string it owns.
     let name = unsafe { (lib.get_device_name)(dev) };
@@ -233,8 +242,12 @@ impl Provider for Libibverbs {
                     out.push(DeviceInfo {
                         name: name.clone(),
                         port,
-                        gbps: lanes(attr.active_width)
-                            * lane_gbps(attr.active_speed, attr.active_speed_ex),
+                        // sysfs has every speed; the exported ibv_query_port fills only
+                        // the old fields (no XDR).
+                        gbps: sysfs_rate(&name, port).unwrap_or_else(|| {
+                            lanes(attr.active_width)
+                                * lane_gbps(attr.active_speed, attr.active_speed_ex)
+                        }),
                         link_layer: if u32::from(attr.link_layer) == ffi::IBV_LINK_LAYER_ETHERNET {
                             "Ethernet"
                         } else {
@@ -298,12 +311,19 @@ struct IbvNic {
     lid: u16,
     ethernet: bool,
     active_mtu: ffi::ibv_mtu,
-    qps: Mutex<HashMap<u32, QpRec>>,
+    /// Queue pairs by number. Verbs on a queue pair run under the read lock, so that
+    /// `destroy_qp` (under the write lock) never frees one in use.
+    qps: RwLock<HashMap<u32, QpRec>>,
     regions: Mutex<HashMap<u32, *mut ffi::ibv_mr>>,
+    /// Whether the completion queue is armed (an event will come at the next
+    /// completion).
+    armed: AtomicBool,
 }
 
 // SAFETY: libibverbs objects may be used from any thread; verbs on one object are
-// thread-safe (rdma-core providers lock internally), and the maps are behind mutexes.
+// thread-safe (rdma-core providers lock internally, unless told not to, e.g. with
+// MLX5_SINGLE_THREADED=1, which ferroccl does not support: the engine and the proxy post on
+// one queue pair), and the maps are behind locks.
 unsafe impl Send for IbvNic {}
 // SAFETY: as above.
 unsafe impl Sync for IbvNic {}
@@ -338,6 +358,15 @@ impl IbvNic {
         };
         // SAFETY: a plain system call.
         let wake = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if !channel.is_null() {
+            // Non-blocking, so that reading an event another thread took cannot block.
+            // SAFETY: the channel is live; fcntl on its fd.
+            unsafe {
+                let fd = (*channel).fd;
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            }
+        }
         let nic = IbvNic {
             lib,
             device,
@@ -349,18 +378,19 @@ impl IbvNic {
             lid: attr.lid,
             ethernet: u32::from(attr.link_layer) == ffi::IBV_LINK_LAYER_ETHERNET,
             active_mtu: attr.active_mtu,
-            qps: Mutex::new(HashMap::new()),
+            qps: RwLock::new(HashMap::new()),
             regions: Mutex::new(HashMap::new()),
+            armed: AtomicBool::new(false),
         };
         if pd.is_null() || channel.is_null() || nic.cq.is_null() || wake < 0 {
             return Err(io::Error::other(format!(
                 "rank {owner}: setting up {}:{} failed (protection domain, completion \
-                 channel, completion queue of {cq_depth} entries, or eventfd)",
+                 channel, completion queue of {cq_depth} entries (more than the device's \
+                 max_cqe? fewer channels, slots or queue pairs per connection need fewer), \
+                 or eventfd)",
                 nic.device.name, nic.device.port
             )));
         }
-        // Completions wake the channel from the start.
-        nic.arm()?;
         Ok(nic)
     }
 
@@ -382,11 +412,13 @@ impl IbvNic {
         }
     }
 
-    fn qp(&self, qpn: u32) -> io::Result<(*mut ffi::ibv_qp, QpOptions, u32)> {
-        lock(&self.qps)
-            .get(&qpn)
-            .map(|r| (r.qp, r.options, r.psn))
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no queue pair {qpn}")))
+    /// Runs `f` on queue pair `qpn`, which cannot be destroyed meanwhile.
+    fn with_qp<T>(&self, qpn: u32, f: impl FnOnce(&QpRec) -> io::Result<T>) -> io::Result<T> {
+        let qps = self.qps.read().unwrap_or_else(|e| e.into_inner());
+        let rec = qps.get(&qpn).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::NotFound, format!("no queue pair {qpn}"))
+        })?;
+        f(rec)
     }
 
     fn modify(
@@ -452,18 +484,135 @@ impl IbvNic {
     }
 }
 
+impl IbvNic {
+    /// Moves `rec` to ready-to-send, connected to `remote`.
+    fn connect_qp(&self, rec: &QpRec, remote: &Endpoint) -> io::Result<()> {
+        let (qp, options) = (rec.qp, rec.options);
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+            // The smaller of both ports' MTUs: larger packets would not reach the peer.
+            path_mtu: self.active_mtu.min(remote.mtu),
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 12,
+            ..Default::default()
+        };
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.sl = options.service_level;
+        attr.ah_attr.port_num = self.device.port;
+        if self.ethernet || remote.lid == 0 {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
+            attr.ah_attr.grh.sgid_index = options.gid_index;
+            attr.ah_attr.grh.hop_limit = 255;
+            attr.ah_attr.grh.traffic_class = options.traffic_class;
+        }
+        use ffi::ibv_qp_attr_mask as m;
+        self.modify(
+            qp,
+            &mut attr,
+            m::IBV_QP_STATE
+                | m::IBV_QP_AV
+                | m::IBV_QP_PATH_MTU
+                | m::IBV_QP_DEST_QPN
+                | m::IBV_QP_RQ_PSN
+                | m::IBV_QP_MAX_DEST_RD_ATOMIC
+                | m::IBV_QP_MIN_RNR_TIMER,
+        )?;
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+            timeout: options.timeout,
+            retry_cnt: options.retry_cnt,
+            rnr_retry: 7,
+            sq_psn: rec.psn,
+            max_rd_atomic: 1,
+            ..Default::default()
+        };
+        self.modify(
+            qp,
+            &mut attr,
+            m::IBV_QP_STATE
+                | m::IBV_QP_TIMEOUT
+                | m::IBV_QP_RETRY_CNT
+                | m::IBV_QP_RNR_RETRY
+                | m::IBV_QP_SQ_PSN
+                | m::IBV_QP_MAX_QP_RD_ATOMIC,
+        )
+    }
+
+    /// Posts one RDMA write (with immediate data if `imm`) on `qp`.
+    ///
+    /// # Safety
+    /// `qp` is live; `local` stays registered and unchanged until the write completes.
+    unsafe fn post_write_qp(
+        &self,
+        qp: *mut ffi::ibv_qp,
+        wr_id: u64,
+        local: Local,
+        remote: Remote,
+        imm: Option<u32>,
+    ) -> io::Result<()> {
+        let mut sge = ffi::ibv_sge {
+            addr: local.addr,
+            length: local.len,
+            lkey: local.lkey,
+        };
+        let mut wr = ffi::ibv_send_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: c_int::from(local.len > 0),
+            opcode: if imm.is_some() {
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+            } else {
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+            },
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_1.imm_data = imm.unwrap_or(0).to_be();
+        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: remote.addr,
+            rkey: remote.rkey,
+        };
+        let post = self
+            .ops()
+            .post_send
+            .ok_or_else(|| io::Error::other("no post_send"))?;
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: `qp` is live; `wr` and `sge` are valid for the call (the device copies
+        // them); the caller keeps `local` registered until the write completes.
+        match unsafe { post(qp, &mut wr, &mut bad) } {
+            0 => Ok(()),
+            rc => Err(io::Error::from_raw_os_error(rc)),
+        }
+    }
+}
+
 impl Nic for IbvNic {
     fn device(&self) -> &DeviceInfo {
         &self.device
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> io::Result<Region> {
-        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+    unsafe fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> io::Result<Region> {
+        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+        if remote_write {
+            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+        }
         // SAFETY: the caller keeps the memory allocated until `deregister`.
         let mr = unsafe { (self.lib.reg_mr)(self.pd, addr.cast(), len, access.0 as c_int) };
         if mr.is_null() {
-            return Err(io::Error::last_os_error());
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ENOMEM | libc::EPERM) => io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e} (registered memory is pinned: is the locked-memory limit, `ulimit -l`, high enough?)"
+                    ),
+                ),
+                _ => e,
+            });
         }
         // SAFETY: a registered region, alive until ibv_dereg_mr.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
@@ -528,6 +677,12 @@ impl Nic for IbvNic {
                 | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
         );
         let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        let gid_name = || {
+            format!(
+                "GID index {} (NCCL_IB_GID_INDEX) of {}:{}",
+                options.gid_index, self.device.name, self.device.port
+            )
+        };
         // SAFETY: `ctx` is open and `gid` a valid out-pointer.
         let gid_rc = unsafe {
             (self.lib.query_gid)(
@@ -539,20 +694,26 @@ impl Nic for IbvNic {
         };
         // SAFETY: `qp` is live.
         let qpn = unsafe { (*qp).qp_num };
-        if let Err(e) = to_init.and(if gid_rc == 0 {
-            Ok(())
-        } else {
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        let gid_bytes = unsafe { gid.raw };
+        let gid_ok = if gid_rc != 0 {
+            Err(io::Error::other(format!("{} cannot be read", gid_name())))
+        } else if self.ethernet && gid_bytes == [0; 16] {
+            // RoCE routes by GID: an empty entry would only fail at connection.
             Err(io::Error::other(format!(
-                "GID index {} (NCCL_IB_GID_INDEX) of {}:{} cannot be read",
-                options.gid_index, self.device.name, self.device.port
+                "{} is empty (RoCE needs a GID; `show_gids` lists them)",
+                gid_name()
             )))
-        }) {
+        } else {
+            Ok(())
+        };
+        if let Err(e) = to_init.and(gid_ok) {
             // SAFETY: created above, destroyed once.
             unsafe { (self.lib.destroy_qp)(qp) };
             return Err(e);
         }
         let psn = rand::random::<u32>() & 0xff_ffff;
-        lock(&self.qps).insert(
+        self.qps.write().unwrap_or_else(|e| e.into_inner()).insert(
             qpn,
             QpRec {
                 qp,
@@ -563,62 +724,14 @@ impl Nic for IbvNic {
         Ok(Endpoint {
             qpn,
             lid: self.lid,
-            // SAFETY: every bit pattern of the union is a valid byte array.
-            gid: unsafe { gid.raw },
+            gid: gid_bytes,
             psn,
+            mtu: self.active_mtu,
         })
     }
 
     fn connect(&self, qpn: u32, remote: &Endpoint) -> io::Result<()> {
-        let (qp, options, psn) = self.qp(qpn)?;
-        let mut attr = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
-            path_mtu: self.active_mtu,
-            dest_qp_num: remote.qpn,
-            rq_psn: remote.psn,
-            max_dest_rd_atomic: 1,
-            min_rnr_timer: 12,
-            ..Default::default()
-        };
-        attr.ah_attr.dlid = remote.lid;
-        attr.ah_attr.port_num = self.device.port;
-        if self.ethernet || remote.lid == 0 {
-            attr.ah_attr.is_global = 1;
-            attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
-            attr.ah_attr.grh.sgid_index = options.gid_index;
-            attr.ah_attr.grh.hop_limit = 255;
-        }
-        use ffi::ibv_qp_attr_mask as m;
-        self.modify(
-            qp,
-            &mut attr,
-            m::IBV_QP_STATE
-                | m::IBV_QP_AV
-                | m::IBV_QP_PATH_MTU
-                | m::IBV_QP_DEST_QPN
-                | m::IBV_QP_RQ_PSN
-                | m::IBV_QP_MAX_DEST_RD_ATOMIC
-                | m::IBV_QP_MIN_RNR_TIMER,
-        )?;
-        let mut attr = ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
-            timeout: options.timeout,
-            retry_cnt: options.retry_cnt,
-            rnr_retry: 7,
-            sq_psn: psn,
-            max_rd_atomic: 1,
-            ..Default::default()
-        };
-        self.modify(
-            qp,
-            &mut attr,
-            m::IBV_QP_STATE
-                | m::IBV_QP_TIMEOUT
-                | m::IBV_QP_RETRY_CNT
-                | m::IBV_QP_RNR_RETRY
-                | m::IBV_QP_SQ_PSN
-                | m::IBV_QP_MAX_QP_RD_ATOMIC,
-        )
+        self.with_qp(qpn, |rec| self.connect_qp(rec, remote))
     }
 
     unsafe fn post_write(
@@ -629,75 +742,51 @@ impl Nic for IbvNic {
         remote: Remote,
         imm: Option<u32>,
     ) -> io::Result<()> {
-        let (qp, _, _) = self.qp(qpn)?;
-        let mut sge = ffi::ibv_sge {
-            addr: local.addr,
-            length: local.len,
-            lkey: local.lkey,
-        };
-        let mut wr = ffi::ibv_send_wr {
-            wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: c_int::from(local.len > 0),
-            opcode: if imm.is_some() {
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
-            } else {
-                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
-            },
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            ..Default::default()
-        };
-        wr.__bindgen_anon_1.imm_data = imm.unwrap_or(0).to_be();
-        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-            remote_addr: remote.addr,
-            rkey: remote.rkey,
-        };
-        let post = self
-            .ops()
-            .post_send
-            .ok_or_else(|| io::Error::other("no post_send"))?;
-        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: `qp` is live; `wr` and `sge` are valid for the call (the device copies
-        // them); the caller keeps `local` registered until the write completes.
-        match unsafe { post(qp, &mut wr, &mut bad) } {
-            0 => Ok(()),
-            rc => Err(io::Error::from_raw_os_error(rc)),
-        }
+        // SAFETY: the read lock keeps the queue pair live; the rest is forwarded from
+        // this function's contract.
+        self.with_qp(qpn, |rec| unsafe {
+            self.post_write_qp(rec.qp, wr_id, local, remote, imm)
+        })
     }
 
     fn post_recv(&self, qpn: u32, wr_id: u64) -> io::Result<()> {
-        let (qp, _, _) = self.qp(qpn)?;
-        let mut wr = ffi::ibv_recv_wr {
-            wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: std::ptr::null_mut(),
-            num_sge: 0,
-        };
-        let post = self
-            .ops()
-            .post_recv
-            .ok_or_else(|| io::Error::other("no post_recv"))?;
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: `qp` is live and `wr` valid for the call; it names no memory.
-        match unsafe { post(qp, &mut wr, &mut bad) } {
-            0 => Ok(()),
-            rc => Err(io::Error::from_raw_os_error(rc)),
-        }
+        self.with_qp(qpn, |rec| {
+            let mut wr = ffi::ibv_recv_wr {
+                wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: std::ptr::null_mut(),
+                num_sge: 0,
+            };
+            let post = self
+                .ops()
+                .post_recv
+                .ok_or_else(|| io::Error::other("no post_recv"))?;
+            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+            // SAFETY: the queue pair is live (the read lock is held) and `wr` valid for
+            // the call; it names no memory.
+            match unsafe { post(rec.qp, &mut wr, &mut bad) } {
+                0 => Ok(()),
+                rc => Err(io::Error::from_raw_os_error(rc)),
+            }
+        })
     }
 
     fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<()> {
-        let n = self.poll_into(out, max)?;
-        if n < max {
-            // Drained: ask for an event at the next completion, then look once more for
-            // one that arrived before the request (it would raise no event).
-            self.arm()?;
-            self.poll_into(out, max - n)?;
-        }
-        Ok(())
+        self.poll_into(out, max).map(|_| ())
     }
 
+    /// Blocks on the completion channel only once the queue is armed *and* the caller
+    /// has polled it since: the first call after an event arms the queue and returns at
+    /// once, so the caller's next poll catches completions that came before the arming
+    /// (they raise no event). The engine's polls in line never arm.
     fn wait(&self, timeout: Duration) {
+        if !self.armed.swap(true, Ordering::SeqCst) {
+            if self.arm().is_err() {
+                self.armed.store(false, Ordering::SeqCst);
+                std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            }
+            return;
+        }
         // SAFETY: the channel is live.
         let channel_fd = unsafe { (*self.channel).fd };
         let mut fds = [
@@ -721,10 +810,12 @@ impl Nic for IbvNic {
         if fds[0].revents & libc::POLLIN != 0 {
             let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
             let mut ctx: *mut c_void = std::ptr::null_mut();
-            // SAFETY: the channel has an event (poll said so); the out-pointers are valid.
+            // SAFETY: the channel's fd is non-blocking: without an event this fails
+            // (EAGAIN) instead of blocking; the out-pointers are valid.
             if unsafe { (self.lib.get_cq_event)(self.channel, &mut cq, &mut ctx) } == 0 {
                 // SAFETY: the event is for our CQ; acknowledged once.
                 unsafe { (self.lib.ack_cq_events)(cq, 1) };
+                self.armed.store(false, Ordering::SeqCst);
             }
         }
         if fds[1].revents & libc::POLLIN != 0 {
@@ -741,34 +832,38 @@ impl Nic for IbvNic {
     }
 
     fn qp_state(&self, qpn: u32) -> QpState {
-        let Ok((qp, _, _)) = self.qp(qpn) else {
-            return QpState::Gone;
-        };
-        let mut attr = ffi::ibv_qp_attr::default();
-        let mut init = ffi::ibv_qp_init_attr::default();
-        // SAFETY: `qp` is live; the out-pointers are valid.
-        let rc = unsafe {
-            (self.lib.query_qp)(
-                qp,
-                &mut attr,
-                ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,
-                &mut init,
-            )
-        };
-        if rc != 0 {
-            return QpState::Gone;
-        }
-        match attr.qp_state {
-            ffi::ibv_qp_state::IBV_QPS_INIT => QpState::Init,
-            ffi::ibv_qp_state::IBV_QPS_RTR => QpState::ReadyToReceive,
-            ffi::ibv_qp_state::IBV_QPS_RTS => QpState::ReadyToSend,
-            _ => QpState::Error,
+        let state = self.with_qp(qpn, |rec| {
+            let mut attr = ffi::ibv_qp_attr::default();
+            let mut init = ffi::ibv_qp_init_attr::default();
+            // SAFETY: the queue pair is live (the read lock is held); the out-pointers
+            // are valid.
+            let rc = unsafe {
+                (self.lib.query_qp)(
+                    rec.qp,
+                    &mut attr,
+                    ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as c_int,
+                    &mut init,
+                )
+            };
+            match rc {
+                0 => Ok(attr.qp_state),
+                rc => Err(io::Error::from_raw_os_error(rc)),
+            }
+        });
+        match state {
+            Ok(ffi::ibv_qp_state::IBV_QPS_INIT) => QpState::Init,
+            Ok(ffi::ibv_qp_state::IBV_QPS_RTR) => QpState::ReadyToReceive,
+            Ok(ffi::ibv_qp_state::IBV_QPS_RTS) => QpState::ReadyToSend,
+            Ok(_) => QpState::Error,
+            Err(_) => QpState::Gone,
         }
     }
 
     fn destroy_qp(&self, qpn: u32) {
-        if let Some(r) = lock(&self.qps).remove(&qpn) {
-            // SAFETY: created here, destroyed once.
+        let mut qps = self.qps.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = qps.remove(&qpn) {
+            // SAFETY: created here, destroyed once, under the write lock: no verb is
+            // using it.
             unsafe { (self.lib.destroy_qp)(r.qp) };
         }
     }
@@ -781,7 +876,7 @@ impl Drop for IbvNic {
         // dependency order (queue pairs and regions, the CQ, its channel, the PD, the
         // context); nulls (a failed setup) are skipped.
         unsafe {
-            for (_, r) in lock(&self.qps).drain() {
+            for (_, r) in self.qps.write().unwrap_or_else(|e| e.into_inner()).drain() {
                 (lib.destroy_qp)(r.qp);
             }
             for (_, mr) in lock(&self.regions).drain() {

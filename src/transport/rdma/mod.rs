@@ -78,6 +78,10 @@ pub struct RdmaConfig {
     /// Queue pairs per link, each carrying a stripe of every slot
     /// (`NCCL_IB_QPS_PER_CONNECTION`, 1–128, default 1).
     pub qps_per_connection: usize,
+    /// Traffic class of RoCE packets (`NCCL_IB_TC`, default 0).
+    pub traffic_class: u8,
+    /// InfiniBand service level (`NCCL_IB_SL`, 0–15, default 0).
+    pub service_level: u8,
 }
 
 impl Default for RdmaConfig {
@@ -89,6 +93,8 @@ impl Default for RdmaConfig {
             timeout: 20,
             retry_cnt: 7,
             qps_per_connection: 1,
+            traffic_class: 0,
+            service_level: 0,
         }
     }
 }
@@ -105,6 +111,8 @@ impl std::fmt::Debug for RdmaConfig {
             .field("timeout", &self.timeout)
             .field("retry_cnt", &self.retry_cnt)
             .field("qps_per_connection", &self.qps_per_connection)
+            .field("traffic_class", &self.traffic_class)
+            .field("service_level", &self.service_level)
             .finish()
     }
 }
@@ -129,6 +137,8 @@ impl PartialEq for RdmaConfig {
                 other.retry_cnt,
                 other.qps_per_connection,
             )
+            && (self.traffic_class, self.service_level)
+                == (other.traffic_class, other.service_level)
     }
 }
 
@@ -154,7 +164,8 @@ fn env_int(name: &str, range: std::ops::RangeInclusive<u64>) -> Result<Option<u6
 
 impl RdmaConfig {
     /// Defaults with `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX`, `NCCL_IB_TIMEOUT`,
-    /// `NCCL_IB_RETRY_CNT` and `NCCL_IB_QPS_PER_CONNECTION` applied.
+    /// `NCCL_IB_RETRY_CNT`, `NCCL_IB_QPS_PER_CONNECTION`, `NCCL_IB_TC` and `NCCL_IB_SL`
+    /// applied.
     pub fn from_env() -> Result<Self> {
         let mut c = RdmaConfig::default();
         if let Some((var, text)) = env_first(&["NCCL_IB_HCA"]) {
@@ -178,6 +189,12 @@ impl RdmaConfig {
         )? {
             c.qps_per_connection = v as usize;
         }
+        if let Some(v) = env_int("NCCL_IB_TC", 0..=255)? {
+            c.traffic_class = v as u8;
+        }
+        if let Some(v) = env_int("NCCL_IB_SL", 0..=15)? {
+            c.service_level = v as u8;
+        }
         Ok(c)
     }
 
@@ -194,6 +211,13 @@ impl RdmaConfig {
                 "retry count (NCCL_IB_RETRY_CNT)",
                 self.retry_cnt.into(),
                 "0..=7",
+            );
+        }
+        if self.service_level > 15 {
+            return bad(
+                "service level (NCCL_IB_SL)",
+                self.service_level.into(),
+                "0..=15",
             );
         }
         if !(1..=MAX_QPS_PER_CONNECTION).contains(&self.qps_per_connection) {
@@ -224,6 +248,8 @@ impl RdmaConfig {
             timeout: self.timeout,
             retry_cnt: self.retry_cnt,
             gid_index: self.gid_index,
+            traffic_class: self.traffic_class,
+            service_level: self.service_level,
         }
     }
 }
@@ -759,10 +785,11 @@ impl NetShared {
         posted.is_ok()
     }
 
-    /// Closes link `index`: a close notice with the cause on every queue pair.
+    /// Closes link `index`: a close notice with the cause on every queue pair, unless
+    /// the link is closed or broken already (the peer would never answer it).
     fn close(&self, index: usize, why: Closed) {
         let link = &self.links[index];
-        if link.closing.swap(true, Ordering::SeqCst) {
+        if link.closing.swap(true, Ordering::SeqCst) || *lock(&link.state) != LinkState::Up {
             return;
         }
         let cause = match why {
@@ -1011,15 +1038,16 @@ impl RdmaNet {
                 let tag = format!("ib-r{rank}-c{}-p{}", spec.channel, spec.peer);
                 let (engine_tx, proxy_rx) = local_fifo(geometry, &tag)?;
                 let (proxy_tx, engine_rx) = local_fifo(geometry, &tag)?;
-                let register = |(ptr, len): (*mut u8, usize)| {
+                let register = |(ptr, len): (*mut u8, usize), remote_write: bool| {
                     // SAFETY: the FIFO's segment stays allocated while the proxy's end
                     // lives, and `Prepared::destroy` / `RdmaNet`'s drop deregister it
                     // before dropping that end.
-                    unsafe { nic.register(ptr, len) }.map_err(|e| {
+                    unsafe { nic.register(ptr, len, remote_write) }.map_err(|e| {
                         Error::io(format!("register a FIFO for rank {}", spec.peer), e)
                     })
                 };
-                let out_region = register(proxy_rx.memory())?;
+                // The NIC only reads the outgoing FIFO; the peer writes the incoming one.
+                let out_region = register(proxy_rx.memory(), false)?;
                 let mut p = Prepared {
                     engine_tx,
                     engine_rx,
@@ -1030,7 +1058,7 @@ impl RdmaNet {
                     endpoints: Vec::new(),
                     remote: Remote { addr: 0, rkey: 0 },
                 };
-                match register(p.proxy_tx.memory()) {
+                match register(p.proxy_tx.memory(), true) {
                     Ok(r) => p.in_region = r,
                     Err(e) => {
                         let _ = nic.deregister(&p.out_region);
@@ -1094,7 +1122,7 @@ impl RdmaNet {
             return Ok(*region);
         }
         // SAFETY: forwarded from this function's contract.
-        let region = unsafe { self.shared.nic.register(addr, len) }.map_err(|e| {
+        let region = unsafe { self.shared.nic.register(addr, len, true) }.map_err(|e| {
             Error::io(
                 format!(
                     "register {len} bytes at {addr:p} with {}",
@@ -1195,23 +1223,25 @@ impl Drop for RdmaNet {
         for index in 0..sh.links.len() {
             sh.close(index, Closed::ByOwner);
         }
-        // Let the writes in flight finish (the close notices among them), bounded: a
-        // peer that is gone fails them only after the transport timeout.
-        let start = Instant::now();
-        while start.elapsed() < DRAIN_LIMIT
-            && sh
-                .links
-                .iter()
-                .any(|l| lock(&l.out).in_flight > 0 || lock(&l.inc).credits_in_flight > 0)
-        {
-            if !sh.progress(true) {
-                sh.nic.wait(Duration::from_millis(1));
-            }
-        }
+        // The proxy stops first, so that this thread alone polls and waits below.
         sh.stop.store(true, Ordering::SeqCst);
         sh.nic.interrupt();
         if let Some(t) = self.proxy.take() {
             let _ = t.join();
+        }
+        // Let the writes in flight on working links finish (the close notices among
+        // them), bounded: a peer that is gone fails them only after the transport
+        // timeout.
+        let start = Instant::now();
+        while start.elapsed() < DRAIN_LIMIT
+            && sh.links.iter().any(|l| {
+                *lock(&l.state) == LinkState::Up
+                    && (lock(&l.out).in_flight > 0 || lock(&l.inc).credits_in_flight > 0)
+            })
+        {
+            if !sh.progress(true) {
+                sh.nic.wait(Duration::from_millis(1));
+            }
         }
         for link in &sh.links {
             for &qpn in &link.qpns {
@@ -1241,7 +1271,8 @@ impl RdmaLink {
         self.shared.return_credits(self.index);
     }
 
-    /// The engine, about to look at a FIFO: polls the completion queue in line.
+    /// The engine, about to look at a FIFO of this link (either way): polls the
+    /// completion queue in line.
     pub fn read_in_line(&self) {
         self.shared.progress(false);
     }

@@ -81,7 +81,8 @@ struct NicRec {
     cq_capacity: usize,
     /// Set once the queue overran: the device context is unusable.
     overrun: bool,
-    regions: Vec<Region>,
+    /// Registrations, and whether peers may write each.
+    regions: Vec<(Region, bool)>,
     cq: VecDeque<Completion>,
     interrupted: bool,
     lose_completions: usize,
@@ -264,8 +265,13 @@ impl Inner {
 }
 
 impl World {
-    fn region_of(&self, nic: u64, pred: impl Fn(&Region) -> bool) -> Option<Region> {
-        self.nics.get(&nic)?.regions.iter().copied().find(pred)
+    fn region_of(&self, nic: u64, pred: impl Fn(&Region, bool) -> bool) -> Option<Region> {
+        self.nics
+            .get(&nic)?
+            .regions
+            .iter()
+            .find(|(r, w)| pred(r, *w))
+            .map(|(r, _)| *r)
     }
 
     /// Queues a completion; past the queue's capacity the queue overruns, which breaks
@@ -374,7 +380,7 @@ impl World {
                 let (local, remote, imm, wr_id) = (wr.local, wr.remote, wr.imm, wr.wr_id);
                 if local.len > 0
                     && self
-                        .region_of(nic, |r| {
+                        .region_of(nic, |r, _| {
                             r.lkey == local.lkey && r.covers(local.addr, local.len as usize)
                         })
                         .is_none()
@@ -384,8 +390,10 @@ impl World {
                     break;
                 }
                 let refused = self.nics.get(&rnic).is_some_and(|n| n.refuse_writes > 0);
-                let target = self.region_of(rnic, |r| {
-                    r.rkey == remote.rkey && r.covers(remote.addr, local.len as usize)
+                let target = self.region_of(rnic, |r, remote_write| {
+                    remote_write
+                        && r.rkey == remote.rkey
+                        && r.covers(remote.addr, local.len as usize)
                 });
                 if refused || target.is_none() {
                     if refused {
@@ -479,7 +487,7 @@ impl Nic for SimNic {
         &self.device
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> io::Result<Region> {
+    unsafe fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> io::Result<Region> {
         if addr.is_null() || len == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -498,19 +506,22 @@ impl Nic for SimNic {
             .get_mut(&self.id)
             .expect("open device")
             .regions
-            .push(region);
+            .push((region, remote_write));
         Ok(region)
     }
 
     fn deregister(&self, region: &Region) -> io::Result<()> {
         let mut w = self.inner.lock();
         let regions = &mut w.nics.get_mut(&self.id).expect("open device").regions;
-        let at = regions.iter().position(|r| r == region).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("region {region:?} is not registered"),
-            )
-        })?;
+        let at = regions
+            .iter()
+            .position(|(r, _)| r == region)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("region {region:?} is not registered"),
+                )
+            })?;
         regions.remove(at);
         Ok(())
     }
@@ -535,6 +546,7 @@ impl Nic for SimNic {
             lid: self.id as u16,
             gid: [0; 16],
             psn: 0,
+            mtu: 5,
         })
     }
 
@@ -711,6 +723,8 @@ mod tests {
         timeout: 10,
         retry_cnt: 0,
         gid_index: 0,
+        traffic_class: 0,
+        service_level: 0,
     };
 
     /// Two devices of one fabric with one connected queue pair each.
@@ -751,8 +765,8 @@ mod tests {
         // SAFETY: both buffers outlive their registrations (ended below).
         let (ra, rb) = unsafe {
             (
-                a.register(src.as_mut_ptr(), 64).unwrap(),
-                b.register(dst.as_mut_ptr(), 64).unwrap(),
+                a.register(src.as_mut_ptr(), 64, false).unwrap(),
+                b.register(dst.as_mut_ptr(), 64, true).unwrap(),
             )
         };
         let local = |off: u64, len: u32| Local {
@@ -789,7 +803,7 @@ mod tests {
         let (a, qa, b, qb) = pair(&fabric, 64);
         let mut buf = vec![0u8; 64];
         // SAFETY: outlives the registration (ended below).
-        let r = unsafe { a.register(buf.as_mut_ptr(), 64).unwrap() };
+        let r = unsafe { a.register(buf.as_mut_ptr(), 64, true).unwrap() };
         let local = Local {
             addr: r.addr,
             len: 8,

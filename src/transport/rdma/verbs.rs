@@ -74,6 +74,9 @@ pub struct Endpoint {
     pub gid: [u8; 16],
     /// First packet sequence number.
     pub psn: u32,
+    /// The port's active MTU (`ibv_mtu`: 1 = 256 B … 5 = 4096 B); a connection uses the
+    /// smaller of both ends'.
+    pub mtu: u32,
 }
 
 impl Endpoint {
@@ -82,7 +85,8 @@ impl Endpoint {
         w.u32(self.qpn)
             .u32(u32::from(self.lid))
             .bytes(&self.gid)
-            .u32(self.psn);
+            .u32(self.psn)
+            .u32(self.mtu);
     }
 
     /// Reads [`Endpoint::encode`]'s form.
@@ -96,7 +100,17 @@ impl Endpoint {
             .try_into()
             .map_err(|_| "GID is not 16 bytes")?;
         let psn = c.u32().map_err(e)?;
-        Ok(Endpoint { qpn, lid, gid, psn })
+        let mtu = c.u32().map_err(e)?;
+        if !(1..=5).contains(&mtu) {
+            return Err(format!("MTU code {mtu} is not 1 (256 B) to 5 (4096 B)"));
+        }
+        Ok(Endpoint {
+            qpn,
+            lid,
+            gid,
+            psn,
+            mtu,
+        })
     }
 }
 
@@ -113,6 +127,10 @@ pub struct QpOptions {
     pub retry_cnt: u8,
     /// GID table index (`NCCL_IB_GID_INDEX`).
     pub gid_index: u8,
+    /// Traffic class of RoCE packets (`NCCL_IB_TC`).
+    pub traffic_class: u8,
+    /// InfiniBand service level (`NCCL_IB_SL`).
+    pub service_level: u8,
 }
 
 impl QpOptions {
@@ -221,12 +239,13 @@ pub trait Nic: Send + Sync {
     /// The device and port.
     fn device(&self) -> &DeviceInfo;
 
-    /// Registers `len` bytes at `addr` for local use and remote writes.
+    /// Registers `len` bytes at `addr` for local use, and for peers' writes if
+    /// `remote_write`.
     ///
     /// # Safety
     /// The memory must stay allocated until [`Nic::deregister`] (the device and peers
     /// may write it at any time until then).
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> io::Result<Region>;
+    unsafe fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> io::Result<Region>;
 
     /// Ends a registration.
     fn deregister(&self, region: &Region) -> io::Result<()>;
