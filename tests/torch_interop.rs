@@ -2,14 +2,10 @@
 //! client against ferroccl's server, and ferroccl's client against PyTorch's (libuv)
 //! server. Values written by one side are read back by the other.
 //!
-//! Needs a Python with `torch` importable: `FERROCCL_TEST_PYTHON` names the interpreter
-//! (default `python3`). Without one, each test prints why it is skipped and passes: CI
-//! does not install the 5 GB torch wheel. To run them:
-//!
-//! ```sh
-//! python3 -m venv /tmp/torchvenv && /tmp/torchvenv/bin/pip install torch
-//! FERROCCL_TEST_PYTHON=/tmp/torchvenv/bin/python cargo test --test torch_interop -- --nocapture
-//! ```
+//! Runs PyTorch from the test virtualenv (`target/pyenv`, provisioned as for
+//! `tests/python.rs`), or the interpreter `FERROCCL_TEST_PYTHON` names.
+
+mod pyenv;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -19,22 +15,20 @@ use std::time::Duration;
 use ferroccl::Error;
 use ferroccl::store::{ServerOptions, Store, TcpStore, TcpStoreOptions, TcpStoreServer};
 
-fn python() -> Option<String> {
-    let py = std::env::var("FERROCCL_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import torch.distributed"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Some(py)
-    } else {
-        skip_notice(&format!(
-            "SKIPPED: {py} cannot import torch.distributed (set FERROCCL_TEST_PYTHON to a \
-             Python with torch to run the PyTorch TCPStore compatibility tests)"
-        ));
-        None
-    }
+/// A Python with torch: `FERROCCL_TEST_PYTHON`, else the test virtualenv (made once per
+/// test binary; a machine that cannot reach the package registry fails here).
+fn python() -> String {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            std::env::var("FERROCCL_TEST_PYTHON").unwrap_or_else(|_| {
+                pyenv::provision()
+                    .join("bin/python")
+                    .to_string_lossy()
+                    .into_owned()
+            })
+        })
+        .clone()
 }
 
 fn client(addr: &str) -> TcpStore {
@@ -87,7 +81,7 @@ print("TORCH CLIENT OK", flush=True)
 
 #[test]
 fn torch_client_talks_to_ferroccl_server() {
-    let Some(py) = python() else { return };
+    let py = python();
     let server = TcpStoreServer::bind("127.0.0.1:0", ServerOptions::default()).unwrap();
     let addr = server.local_addr().to_string();
     let rs = client(&addr);
@@ -152,7 +146,7 @@ print("TORCH SERVER OK", flush=True)
 
 #[test]
 fn ferroccl_client_talks_to_torch_server() {
-    let Some(py) = python() else { return };
+    let py = python();
     let mut child = Command::new(&py)
         .args(["-c", TORCH_SERVER])
         .stdout(Stdio::piped())
@@ -206,11 +200,4 @@ fn ferroccl_client_talks_to_torch_server() {
         "{rest}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// Says loudly that a test is skipped. Written to the real stderr (not through
-/// `eprintln!`, which the test harness captures for passing tests), so it shows in CI logs.
-fn skip_notice(msg: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
 }
