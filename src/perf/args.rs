@@ -239,10 +239,14 @@ pub fn parse(argv: &[String]) -> Result<Option<PerfArgs>> {
             }
         } else if arg == "-np" {
             (arg.clone(), None)
-        } else if arg.len() > 2 && arg.starts_with('-') && !arg[1..2].chars().all(char::is_numeric)
+        } else if let Some(c) = arg.strip_prefix('-').and_then(|rest| rest.chars().next())
+            && arg.len() > 1 + c.len_utf8()
+            && !c.is_numeric()
         {
-            // getopt style: "-b8" is "-b 8".
-            (arg[..2].to_string(), Some(arg[2..].to_string()))
+            // getopt style: "-b8" is "-b 8" (split after the flag's character, whatever
+            // its length in UTF-8).
+            let at = 1 + c.len_utf8();
+            (arg[..at].to_string(), Some(arg[at..].to_string()))
         } else {
             (arg.clone(), None)
         };
@@ -490,6 +494,9 @@ mod tests {
             ("--memory gpu", "--memory"),
             ("--backend mpi", "--backend"),
             ("--backend nccl --memory host", "device memory"),
+            // Found by tests/fuzz.rs: a flag whose character is not ASCII used to panic.
+            ("-🃑x", "-🃑"),
+            ("-é", "-é"),
         ] {
             let err = p(words).unwrap_err().to_string();
             assert!(err.contains(needle), "{words}: {err}");

@@ -37,7 +37,7 @@ mod kv;
 mod prefix;
 mod tcp_client;
 mod tcp_server;
-pub(crate) mod wire;
+pub mod wire;
 
 use std::time::Duration;
 

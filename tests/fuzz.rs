@@ -1,0 +1,422 @@
+//! Property-based fuzzing of the parsers that read bytes or text from outside the
+//! process: the store's wire protocol (requests as the server reads them), bootstrap
+//! payloads (`PeerInfo`), `UniqueId` bytes, rank 0's cost model and settings, topology
+//! JSON, the perf tools' command lines, and with the `rdma` feature the RDMA endpoints
+//! and `NCCL_IB_HCA`. Inputs are random bytes and mutations of valid encodings (a few
+//! bytes flipped, the message cut short or extended), so that they reach past the first
+//! length check.
+//!
+//! Every target asserts that the parser returns (never panics), that what it accepts
+//! round-trips where an encoder exists, and that one call allocates at most a bounded
+//! amount (a counting allocator watches: a length field claiming gigabytes must not make
+//! the parser reserve them).
+//!
+//! CI runs `FUZZ_CASES_DEFAULT` inputs per target. The long run:
+//!
+//! ```sh
+//! FERROCCL_FUZZ_CASES=1000000 cargo test --release --features rdma --test fuzz -- --nocapture --test-threads 1
+//! ```
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::net::IpAddr;
+
+use ferroccl::bootstrap::{PeerInfo, UniqueId};
+use ferroccl::store::wire::{Limits, Request, Writer, parse_request};
+use ferroccl::tune::CostModel;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+/// Inputs per target in CI.
+const FUZZ_CASES_DEFAULT: u32 = 20_000;
+
+/// Most bytes one parse may allocate beyond a multiple of its input.
+const ALLOC_SLACK: usize = 64 << 10;
+
+thread_local! {
+    /// Bytes allocated by this thread since the last reset.
+    static ALLOCATED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The system allocator, counting what each thread allocates.
+struct Counting;
+
+// SAFETY: forwards to the system allocator; the counter is thread-local plain data.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATED.try_with(|a| a.set(a.get().saturating_add(layout.size())));
+        // SAFETY: forwarded contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATED.try_with(|a| a.set(a.get().saturating_add(new_size)));
+        // SAFETY: forwarded contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// Runs `f` and returns its result with the bytes it allocated.
+fn allocated_by<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    ALLOCATED.with(|a| a.set(0));
+    let out = f();
+    (out, ALLOCATED.with(Cell::get))
+}
+
+fn cases() -> u32 {
+    std::env::var("FERROCCL_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(FUZZ_CASES_DEFAULT)
+}
+
+/// Runs `check` on `cases()` inputs from `strategy`; reports how many ran.
+fn fuzz<S: Strategy>(
+    name: &str,
+    strategy: S,
+    check: impl Fn(S::Value) -> Result<(), TestCaseError>,
+) {
+    let config = Config {
+        cases: cases(),
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let start = std::time::Instant::now();
+    if let Err(e) = runner.run(&strategy, check) {
+        panic!("{name}: {e}");
+    }
+    eprintln!(
+        "fuzz {name}: {} inputs in {:.1?}, no failure",
+        cases(),
+        start.elapsed()
+    );
+}
+
+/// A mutation of `valid`: some bytes overwritten, then cut or extended.
+fn mutated(valid: impl Strategy<Value = Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
+    (
+        valid,
+        prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        any::<prop::sample::Index>(),
+        prop::collection::vec(any::<u8>(), 0..16),
+        any::<bool>(),
+    )
+        .prop_map(|(mut v, flips, cut, tail, extend)| {
+            if !v.is_empty() {
+                for (at, byte) in flips {
+                    let i = at.index(v.len());
+                    v[i] = byte;
+                }
+            }
+            if extend {
+                v.extend(tail);
+            } else {
+                let keep = cut.index(v.len() + 1);
+                v.truncate(keep);
+            }
+            v
+        })
+}
+
+/// Random bytes, or a mutation of a valid encoding.
+fn bytes_or_mutation(
+    valid: impl Strategy<Value = Vec<u8>> + 'static,
+) -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![prop::collection::vec(any::<u8>(), 0..256), mutated(valid)]
+}
+
+const LIMITS: Limits = Limits {
+    max_key_len: 1024,
+    max_value_len: 1 << 20,
+    max_key_count: 64,
+};
+
+fn key() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(any::<u8>(), 0..24)
+}
+
+/// A request as a client encodes it, and the request itself.
+fn request() -> impl Strategy<Value = (Vec<u8>, Request)> {
+    let keys = || prop::collection::vec(key(), 0..5);
+    prop_oneof![
+        any::<u32>().prop_map(|m| {
+            let mut w = Writer::default();
+            w.u8(0).u32(m);
+            (w.into_vec(), Request::Validate(m))
+        }),
+        (key(), key()).prop_map(|(k, v)| {
+            let mut w = Writer::default();
+            w.u8(1).bytes(&k).bytes(&v);
+            (w.into_vec(), Request::Set(k, v))
+        }),
+        (key(), any::<i64>()).prop_map(|(k, d)| {
+            let mut w = Writer::default();
+            w.u8(4).bytes(&k).i64(d);
+            (w.into_vec(), Request::Add(k, d))
+        }),
+        keys().prop_map(|ks| {
+            let mut w = Writer::default();
+            w.u8(5).u64(ks.len() as u64);
+            for k in &ks {
+                w.bytes(k);
+            }
+            (w.into_vec(), Request::Check(ks))
+        }),
+        prop::collection::vec((key(), key()), 0..4).prop_map(|kvs| {
+            let mut w = Writer::default();
+            w.u8(11).u64(kvs.len() as u64);
+            for (k, v) in &kvs {
+                w.bytes(k).bytes(v);
+            }
+            (w.into_vec(), Request::MultiSet(kvs))
+        }),
+    ]
+}
+
+#[test]
+fn store_requests_as_the_server_reads_them() {
+    // Valid encodings round-trip.
+    fuzz("store request round trip", request(), |(bytes, want)| {
+        let (got, used) =
+            parse_request(&bytes, &LIMITS).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(used, bytes.len());
+        Ok(())
+    });
+    // Anything else: an answer, bounded allocation, never more bytes used than given.
+    fuzz(
+        "store request bytes",
+        bytes_or_mutation(request().prop_map(|(b, _)| b)),
+        |bytes| {
+            let (result, allocated) = allocated_by(|| parse_request(&bytes, &LIMITS));
+            if let Ok((_, used)) = result {
+                prop_assert!(used <= bytes.len());
+            }
+            prop_assert!(
+                allocated <= 4 * bytes.len() + ALLOC_SLACK,
+                "{allocated} bytes for {}",
+                bytes.len()
+            );
+            Ok(())
+        },
+    );
+}
+
+fn peer_info() -> impl Strategy<Value = PeerInfo> {
+    (
+        0usize..64,
+        "[a-z0-9.-]{0,12}",
+        "[a-z0-9:.-]{0,24}",
+        any::<u32>(),
+        prop::collection::vec(any::<[u8; 4]>(), 0..3),
+    )
+        .prop_map(|(rank, hostname, host_id, pid, v4)| PeerInfo {
+            rank,
+            world_size: 64,
+            hostname,
+            host_id,
+            pid,
+            addrs: v4.into_iter().map(|o| IpAddr::from(o)).collect(),
+        })
+}
+
+#[test]
+fn bootstrap_peer_info() {
+    fuzz("peer info round trip", peer_info(), |info| {
+        let back = PeerInfo::decode(info.rank, &info.encode())
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(back, info);
+        Ok(())
+    });
+    fuzz(
+        "peer info bytes",
+        (
+            0usize..64,
+            bytes_or_mutation(peer_info().prop_map(|p| p.encode())),
+        ),
+        |(from, bytes)| {
+            let (result, allocated) = allocated_by(|| PeerInfo::decode(from, &bytes));
+            if let Ok(info) = result {
+                prop_assert_eq!(info.rank, from);
+            }
+            prop_assert!(allocated <= 4 * bytes.len() + ALLOC_SLACK);
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn unique_id_bytes() {
+    let valid = UniqueId::hosted_on("127.0.0.1".parse().unwrap()).unwrap();
+    let template = valid.as_bytes().to_vec();
+    fuzz(
+        "unique id bytes",
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 128),
+            mutated(Just(template)).prop_map(|mut v| {
+                v.resize(128, 0);
+                v
+            }),
+        ],
+        |bytes| {
+            let array: [u8; 128] = bytes.as_slice().try_into().expect("128 bytes");
+            if let Ok(id) = UniqueId::from_bytes(&array) {
+                // An accepted id names an address (any port, any address).
+                let _ = id.store_addr();
+                prop_assert_eq!(id.as_bytes(), &array);
+            }
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn rank_zeros_cost_model_and_settings() {
+    let model = CostModel::default().to_text();
+    fuzz(
+        "cost model text",
+        prop_oneof![
+            "\\PC{0,64}",
+            mutated(Just(model.clone().into_bytes()))
+                .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        ],
+        |text| {
+            if let Ok(m) = CostModel::parse("fuzz", &text) {
+                // Whatever is accepted is usable: finite, positive bandwidths.
+                for l in [m.local, m.local_ll, m.net] {
+                    prop_assert!(l.beta > 0.0 && l.beta.is_finite() && l.alpha >= 0.0);
+                }
+            }
+            Ok(())
+        },
+    );
+    let settings = ferroccl::comm::CommConfig::default().shared_settings();
+    fuzz(
+        "shared settings text",
+        mutated(Just(settings.clone().into_bytes()))
+            .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        |theirs| {
+            let diff = ferroccl::comm::CommConfig::settings_differ(&settings, &theirs);
+            // Agreement is line by line (a trailing newline changes nothing).
+            prop_assert_eq!(diff.is_none(), theirs.lines().eq(settings.lines()));
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn topology_json() {
+    let valid = r#"{"name": "t", "hosts": 2, "ranks_per_host": 4, "cores_per_host": 8,
+        "local": {"latency_us": 1, "bandwidth_GBps": 10},
+        "net": {"latency_us": 30, "bandwidth_GBps": 1.25}, "channels": 2}"#;
+    fuzz(
+        "topology json",
+        prop_oneof![
+            "\\PC{0,80}",
+            mutated(Just(valid.as_bytes().to_vec()))
+                .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+            (0u64..u64::MAX, 0u64..u64::MAX).prop_map(|(h, r)| valid
+                .replace("\"hosts\": 2", &format!("\"hosts\": {h}"))
+                .replace("\"ranks_per_host\": 4", &format!("\"ranks_per_host\": {r}"))),
+        ],
+        |text| {
+            let (result, allocated) = allocated_by(|| {
+                ferroccl::viz::predict::Topology::from_json(&text).map(|t| t.host_labels().len())
+            });
+            if let Ok(ranks) = result {
+                prop_assert!((2..=4096).contains(&ranks));
+            }
+            prop_assert!(allocated <= 64 * text.len() + ALLOC_SLACK);
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn perf_tool_command_lines() {
+    let word = prop_oneof![
+        Just("-b".to_string()),
+        Just("-e".to_string()),
+        Just("-f".to_string()),
+        Just("-np".to_string()),
+        Just("-n".to_string()),
+        Just("-c".to_string()),
+        Just("--csv".to_string()),
+        Just("-d".to_string()),
+        "[0-9]{0,20}[kKmMgG]?",
+        "\\PC{0,12}",
+    ];
+    fuzz(
+        "perf tool arguments",
+        prop::collection::vec(word, 0..8),
+        |argv| {
+            if let Ok(Some(a)) = ferroccl::perf::args::parse(&argv) {
+                prop_assert!(a.min_bytes <= a.max_bytes, "{a:?}");
+            }
+            Ok(())
+        },
+    );
+}
+
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_endpoints_and_hca_lists() {
+    use ferroccl::store::wire::Cursor;
+    use ferroccl::transport::rdma::HcaFilter;
+    use ferroccl::transport::rdma::verbs::Endpoint;
+    let endpoint = (
+        any::<u32>(),
+        any::<u16>(),
+        any::<[u8; 16]>(),
+        any::<u32>(),
+        1u32..=5,
+    )
+        .prop_map(|(qpn, lid, gid, psn, mtu)| Endpoint {
+            qpn,
+            lid,
+            gid,
+            psn,
+            mtu,
+        });
+    fuzz("rdma endpoint round trip", endpoint.clone(), |e| {
+        let mut w = Writer::default();
+        e.encode(&mut w);
+        let bytes = w.into_vec();
+        let back = Endpoint::decode(&mut Cursor::new(&bytes)).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(back, e);
+        Ok(())
+    });
+    fuzz(
+        "rdma endpoint bytes",
+        bytes_or_mutation(endpoint.prop_map(|e| {
+            let mut w = Writer::default();
+            e.encode(&mut w);
+            w.into_vec()
+        })),
+        |bytes| {
+            let (_, allocated) = allocated_by(|| Endpoint::decode(&mut Cursor::new(&bytes)));
+            prop_assert!(allocated <= ALLOC_SLACK);
+            Ok(())
+        },
+    );
+    fuzz("NCCL_IB_HCA", "[=^]{0,2}[a-z0-9_:,=^ ]{0,24}", |text| {
+        if let Ok(f) = HcaFilter::parse(&text) {
+            prop_assert!(!f.entries.is_empty());
+            prop_assert!(
+                f.entries
+                    .iter()
+                    .all(|(n, p)| !n.is_empty() && *p != Some(0))
+            );
+        }
+        Ok(())
+    });
+}
