@@ -174,7 +174,7 @@ pub fn run(job: &LocalJob) -> Result<u8> {
             .master_port
             .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
         let server =
-            TcpStoreServer::bind(("0.0.0.0", port), ServerOptions::default()).map_err(|e| {
+            TcpStoreServer::bind(("0.0.0.0", port), ServerOptions::from_env()?).map_err(|e| {
                 Error::io(
                     format!("{}: run the store server on port {port}", job.name),
                     match e {

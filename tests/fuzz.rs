@@ -171,6 +171,11 @@ fn request() -> impl Strategy<Value = (Vec<u8>, Request)> {
             }
             (w.into_vec(), Request::Check(ks))
         }),
+        prop::collection::vec(any::<u8>(), 0..64).prop_map(|proof| {
+            let mut w = Writer::default();
+            w.u8(65).bytes(&proof);
+            (w.into_vec(), Request::AuthProof(proof))
+        }),
         prop::collection::vec((key(), key()), 0..4).prop_map(|kvs| {
             let mut w = Writer::default();
             w.u8(11).u64(kvs.len() as u64);
@@ -225,7 +230,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
             hostname,
             host_id,
             pid,
-            addrs: v4.into_iter().map(|o| IpAddr::from(o)).collect(),
+            addrs: v4.into_iter().map(IpAddr::from).collect(),
         })
 }
 

@@ -42,6 +42,7 @@ fn tcp_options() -> TcpStoreOptions {
     TcpStoreOptions {
         timeout: STORE_TIMEOUT,
         connect_timeout: STORE_TIMEOUT,
+        ..Default::default()
     }
 }
 

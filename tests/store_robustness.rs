@@ -41,6 +41,7 @@ fn options(timeout: Duration) -> TcpStoreOptions {
     TcpStoreOptions {
         timeout,
         connect_timeout: STORE_TIMEOUT,
+        ..Default::default()
     }
 }
 
@@ -442,6 +443,7 @@ fn assert_dead(blocked: &TcpStore, idle: &TcpStore, addr: &str) {
     let retry = TcpStoreOptions {
         timeout: Duration::from_millis(300),
         connect_timeout: Duration::from_millis(300),
+        ..Default::default()
     };
     match TcpStore::connect(addr, retry) {
         Err(Error::StoreConnect { .. }) => {}

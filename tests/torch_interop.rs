@@ -37,6 +37,7 @@ fn client(addr: &str) -> TcpStore {
         TcpStoreOptions {
             timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(20),
+            ..Default::default()
         },
     )
     .unwrap()

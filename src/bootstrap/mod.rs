@@ -33,6 +33,7 @@ pub use peer::{PeerInfo, boot_id, host_id, hostname};
 pub use unique_id::{UNIQUE_ID_BYTES, UniqueId};
 
 use crate::error::{Error, Result};
+use crate::store::auth::StoreSecret;
 use crate::store::{PrefixStore, ServerOptions, Store, TcpStore, TcpStoreOptions};
 
 /// Default bootstrap timeout (NCCL waits as long for a missing rank; override with
@@ -197,6 +198,7 @@ impl Bootstrap {
             TcpStoreOptions {
                 timeout: options.timeout,
                 connect_timeout: options.timeout,
+                secret: StoreSecret::from_env()?,
             },
         )?;
         let store = PrefixStore::new(id.key_prefix(), Arc::new(client));
@@ -216,6 +218,7 @@ impl Bootstrap {
         let client_options = TcpStoreOptions {
             timeout: options.timeout,
             connect_timeout: options.timeout,
+            secret: StoreSecret::from_env()?,
         };
         let hosts_store = env.rank == 0 && !env.agent_store;
         let store_ends_with_rank = hosts_store || (env.agent_store && env.group_rank == Some(0));
@@ -227,7 +230,7 @@ impl Bootstrap {
             };
             TcpStore::host(
                 (any, env.master_port),
-                ServerOptions::default(),
+                ServerOptions::from_env()?,
                 client_options,
             )
             .map_err(|e| match e {

@@ -60,7 +60,7 @@ impl UniqueId {
     /// Like [`UniqueId::new`], with the server on a given local address (e.g. loopback for
     /// single-host jobs and tests).
     pub fn hosted_on(ip: IpAddr) -> Result<Self> {
-        let server = TcpStoreServer::bind((ip, 0), ServerOptions::default())?;
+        let server = TcpStoreServer::bind((ip, 0), ServerOptions::from_env()?)?;
         let mut nonce = [0u8; 16];
         rand::rng().fill_bytes(&mut nonce);
         let id = Self::for_server(server.local_addr(), nonce);

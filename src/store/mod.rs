@@ -31,6 +31,7 @@
 //! # Ok::<(), ferroccl::Error>(())
 //! ```
 
+pub mod auth;
 mod file;
 mod hash;
 mod kv;

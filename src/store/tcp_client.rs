@@ -5,13 +5,14 @@
 //! On connect it sends VALIDATE and a PING (PyTorch ≥ 2.5 does the same), retrying with
 //! jittered exponential backoff until the connect deadline.
 
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
 
+use super::auth::StoreSecret;
 use super::tcp_server::{ServerOptions, TcpStoreServer};
 use super::wire::{self, QueryType, ReadWire, Writer};
 use super::{MAX_KEY_LEN, Store, check_multi_set, check_value};
@@ -31,6 +32,9 @@ pub struct TcpStoreOptions {
     pub timeout: Duration,
     /// How long to keep retrying the initial connection.
     pub connect_timeout: Duration,
+    /// The secret to answer a server's challenge with (see [`super::auth`]); `None`
+    /// connects only to servers without one.
+    pub secret: Option<StoreSecret>,
 }
 
 impl Default for TcpStoreOptions {
@@ -38,6 +42,7 @@ impl Default for TcpStoreOptions {
         TcpStoreOptions {
             timeout: super::DEFAULT_TIMEOUT,
             connect_timeout: super::DEFAULT_TIMEOUT,
+            secret: None,
         }
     }
 }
@@ -336,7 +341,7 @@ fn connect_with_retry(addr: &str, options: TcpStoreOptions) -> Result<TcpStream>
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        let last_error = match try_connect(addr, deadline, options.timeout) {
+        let last_error = match try_connect(addr, deadline, options.timeout, options.secret) {
             Ok(stream) => {
                 if attempt > 1 {
                     tracing::debug!("store client: connected to {addr} after {attempt} attempts");
@@ -361,7 +366,12 @@ fn connect_with_retry(addr: &str, options: TcpStoreOptions) -> Result<TcpStream>
     }
 }
 
-fn try_connect(addr: &str, deadline: Instant, reply_timeout: Duration) -> io::Result<TcpStream> {
+fn try_connect(
+    addr: &str,
+    deadline: Instant,
+    reply_timeout: Duration,
+    secret: Option<StoreSecret>,
+) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
     for sockaddr in addr.to_socket_addrs()? {
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -371,11 +381,27 @@ fn try_connect(addr: &str, deadline: Instant, reply_timeout: Duration) -> io::Re
                 stream.set_nodelay(true)?;
                 let mut hello = Writer::request(QueryType::Validate);
                 hello.u32(wire::VALIDATION_MAGIC);
+                stream.set_read_timeout(Some(nonzero(reply_timeout.min(remaining))))?;
+                if let Some(secret) = secret {
+                    hello.u8(QueryType::AuthHello as u8);
+                    stream.write_all(hello.as_slice())?;
+                    authenticate(&mut stream, &secret)?;
+                    hello = Writer::default();
+                }
                 let nonce = std::process::id();
                 hello.u8(QueryType::Ping as u8).u32(nonce);
-                stream.set_read_timeout(Some(nonzero(reply_timeout.min(remaining))))?;
                 stream.write_all(hello.as_slice())?;
-                let echoed = stream.read_u32()?;
+                let echoed = stream.read_u32().map_err(|e| {
+                    if secret.is_none() && e.kind() == io::ErrorKind::UnexpectedEof {
+                        io::Error::new(
+                            e.kind(),
+                            "the server closed the connection (does it require a secret? set \
+                             FERROCCL_STORE_SECRET)",
+                        )
+                    } else {
+                        e
+                    }
+                })?;
                 if echoed != nonce {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
@@ -388,6 +414,35 @@ fn try_connect(addr: &str, deadline: Instant, reply_timeout: Duration) -> io::Re
         }
     }
     Err(last)
+}
+
+/// Answers the challenge the server sent after `AUTH_HELLO` (an empty one: the server has
+/// no secret).
+fn authenticate(stream: &mut TcpStream, secret: &StoreSecret) -> io::Result<()> {
+    let len = stream.read_i64()? as u64;
+    if len == 0 {
+        return Ok(());
+    }
+    if len != super::auth::CHALLENGE_BYTES as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("authentication challenge of {len} bytes"),
+        ));
+    }
+    let mut challenge = [0u8; super::auth::CHALLENGE_BYTES];
+    stream.read_exact(&mut challenge)?;
+    let mut proof = Writer::request(QueryType::AuthProof);
+    proof.bytes(&secret.proof(&challenge));
+    stream.write_all(proof.as_slice())?;
+    match stream.read_u8() {
+        Ok(1) => Ok(()),
+        Ok(b) => Err(unexpected("AUTH_PROOF", b)),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the store server refused this secret (FERROCCL_STORE_SECRET differs)",
+        )),
+        Err(e) => Err(e),
+    }
 }
 
 impl Store for TcpStore {

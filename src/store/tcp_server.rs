@@ -20,6 +20,7 @@ use std::thread::JoinHandle;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use super::auth::{self, StoreSecret};
 use super::kv::KvState;
 use super::wire::{self, Limits, ParseError, Request, Writer};
 use crate::error::{Error, Result};
@@ -37,6 +38,9 @@ pub struct ServerOptions {
     pub max_value_len: usize,
     /// Most keys per request (default [`MAX_KEY_COUNT`](super::MAX_KEY_COUNT)).
     pub max_key_count: usize,
+    /// When set, every client must answer a challenge with it before any command (see
+    /// [`super::auth`]); PyTorch's clients cannot. Default: none.
+    pub secret: Option<StoreSecret>,
 }
 
 impl Default for ServerOptions {
@@ -45,7 +49,18 @@ impl Default for ServerOptions {
             max_key_len: super::MAX_KEY_LEN,
             max_value_len: super::MAX_VALUE_LEN,
             max_key_count: super::MAX_KEY_COUNT,
+            secret: None,
         }
+    }
+}
+
+impl ServerOptions {
+    /// Defaults with the secret of `FERROCCL_STORE_SECRET` / `_FILE`, if set.
+    pub fn from_env() -> Result<Self> {
+        Ok(ServerOptions {
+            secret: StoreSecret::from_env()?,
+            ..ServerOptions::default()
+        })
     }
 }
 
@@ -87,6 +102,7 @@ impl TcpStoreServer {
                 max_value_len: options.max_value_len,
                 max_key_count: options.max_key_count,
             },
+            secret: options.secret,
             conns: HashMap::new(),
             next_token: FIRST_CLIENT,
             kv: KvState::default(),
@@ -142,6 +158,10 @@ struct Conn {
     /// Bytes of `outbuf` already written.
     written: usize,
     validated: bool,
+    /// Whether the client answered the challenge (or none is needed).
+    authenticated: bool,
+    /// The challenge sent to the client, once it asked.
+    challenge: Option<[u8; auth::CHALLENGE_BYTES]>,
     /// Whether WRITABLE interest is registered.
     want_write: bool,
     /// Bumped by every WAIT, so entries of an earlier wait are recognisably stale.
@@ -153,6 +173,7 @@ struct EventLoop {
     listener: TcpListener,
     stop: Arc<AtomicBool>,
     limits: Limits,
+    secret: Option<StoreSecret>,
     conns: HashMap<Token, Conn>,
     next_token: usize,
     kv: KvState,
@@ -227,6 +248,8 @@ impl EventLoop {
                             outbuf: Vec::new(),
                             written: 0,
                             validated: false,
+                            authenticated: self.secret.is_none(),
+                            challenge: None,
                             want_write: false,
                             wait_generation: 0,
                         },
@@ -311,9 +334,49 @@ impl EventLoop {
                     }
                 }
             }
+            if !conn.authenticated {
+                self.authenticate(token, request)?;
+                self.flush(token);
+                continue;
+            }
             self.execute(token, request)?;
             self.flush(token);
         }
+    }
+
+    /// The challenge-response of a server with a secret: nothing but `AUTH_HELLO` and
+    /// then a right `AUTH_PROOF` is accepted before it; anything else closes the
+    /// connection, so a stranger never reads or changes a key.
+    fn authenticate(&mut self, token: Token, request: Request) -> std::result::Result<(), Close> {
+        let secret = self
+            .secret
+            .expect("only servers with a secret authenticate");
+        let conn = self.conns.get_mut(&token).ok_or(Close::Eof)?;
+        let mut reply = Writer::default();
+        match (request, conn.challenge) {
+            (Request::AuthHello, None) => {
+                let c = auth::challenge();
+                conn.challenge = Some(c);
+                reply.bytes(&c);
+            }
+            (Request::AuthProof(proof), Some(c)) if secret.verify(&c, &proof) => {
+                conn.authenticated = true;
+                reply.u8(1);
+            }
+            (Request::AuthProof(_), Some(_)) => {
+                return Err(Close::Protocol(
+                    "authentication failed: wrong store secret (FERROCCL_STORE_SECRET)".into(),
+                ));
+            }
+            (other, _) => {
+                return Err(Close::Protocol(format!(
+                    "authentication required (the server has FERROCCL_STORE_SECRET), got \
+                     {other:?}"
+                )));
+            }
+        }
+        self.queue_output(token, reply.as_slice());
+        Ok(())
     }
 
     fn execute(&mut self, token: Token, request: Request) -> std::result::Result<(), Close> {
@@ -409,6 +472,13 @@ impl EventLoop {
             }
             Request::QueueLen(key) => {
                 reply.i64(self.kv.queue_len(&key) as i64);
+            }
+            // No secret, or already authenticated: an empty challenge, nothing to prove.
+            Request::AuthHello => {
+                reply.bytes(&[]);
+            }
+            Request::AuthProof(_) => {
+                return Err(Close::Protocol("AUTH_PROOF without a challenge".into()));
             }
         }
         self.queue_output(token, reply.as_slice());

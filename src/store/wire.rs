@@ -81,6 +81,10 @@ pub enum QueryType {
     QueuePop = 15,
     /// Length of a queue.
     QueueLen = 16,
+    /// ferroccl's own: ask for an authentication challenge (see [`super::auth`]).
+    AuthHello = 64,
+    /// ferroccl's own: answer the challenge.
+    AuthProof = 65,
 }
 
 impl QueryType {
@@ -104,6 +108,8 @@ impl QueryType {
             14 => QueuePush,
             15 => QueuePop,
             16 => QueueLen,
+            64 => AuthHello,
+            65 => AuthProof,
             _ => return None,
         })
     }
@@ -157,6 +163,10 @@ pub enum Request {
     QueuePop(Vec<u8>),
     /// `QUEUE_LEN key`.
     QueueLen(Vec<u8>),
+    /// `AUTH_HELLO`.
+    AuthHello,
+    /// `AUTH_PROOF proof`.
+    AuthProof(Vec<u8>),
 }
 
 /// Why a buffer does not (yet) hold a valid request.
@@ -285,6 +295,8 @@ pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<(Request, usize), Pa
         QueryType::QueuePush => Request::QueuePush(key(&mut c)?, value(&mut c)?),
         QueryType::QueuePop => Request::QueuePop(key(&mut c)?),
         QueryType::QueueLen => Request::QueueLen(key(&mut c)?),
+        QueryType::AuthHello => Request::AuthHello,
+        QueryType::AuthProof => Request::AuthProof(c.bytes(64, "proof")?.to_vec()),
     };
     Ok((request, c.position()))
 }
