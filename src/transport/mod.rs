@@ -388,6 +388,8 @@ impl Connections {
             && rdma_gbps.is_finite()
             && rdma_gbps > 0.0)
             .then_some(rdma_gbps);
+        // The communicator's key: its TCP connections present it, strangers cannot.
+        let job_key: tcp::JobKey = nonce.try_into().expect("8 bytes");
         let prefix = format!(
             "ferroccl-{}-{:016x}",
             peers[0].pid,
@@ -493,19 +495,20 @@ impl Connections {
             .collect();
         for &(ci, peer) in tcp_pairs.iter().filter(|(_, p)| *p > rank) {
             for (sock, cell) in streams[ci][peer].iter_mut().enumerate() {
-                let stream = tcp::connect(tcp_addr(peer)?, rank, ci, sock, striping, deadline)
-                    .map_err(|e| {
-                        Error::io(
-                            format!("connect to rank {peer} (channel {ci}, socket {sock})"),
-                            e,
-                        )
-                    })?;
+                let stream =
+                    tcp::connect(tcp_addr(peer)?, job_key, rank, ci, sock, striping, deadline)
+                        .map_err(|e| {
+                            Error::io(
+                                format!("connect to rank {peer} (channel {ci}, socket {sock})"),
+                                e,
+                            )
+                        })?;
                 *cell = Some(stream);
             }
         }
         let expected = nsocks * tcp_pairs.iter().filter(|(_, p)| *p < rank).count();
         if let Some(l) = &listener {
-            for a in tcp::accept(l, expected, deadline, nranks, channels, striping)
+            for a in tcp::accept(l, job_key, expected, deadline, nranks, channels, striping)
                 .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
             {
                 let cell = &mut streams[a.channel][a.peer][a.socket];

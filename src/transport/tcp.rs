@@ -1118,14 +1118,24 @@ fn recv_proxy(t: usize, socks: Vec<TcpStream>, shared: &Shared, rank_bell: &Bell
     }
 }
 
-/// How a connection introduces itself: rank, channel index, socket index, sockets per
-/// link.
-const INTRO_BYTES: usize = 16;
+/// How a connection introduces itself: the job's key, then rank, channel index, socket
+/// index and sockets per link.
+const INTRO_BYTES: usize = 8 + 16;
+
+/// How long an accepted connection has to introduce itself: peers do it at once, so
+/// only a stranger that says nothing waits this long.
+const INTRO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The key that identifies one communicator's connections (random, chosen by rank 0 and
+/// shared through the bootstrap store): a connection that does not present it is not
+/// one of the job's and is dropped.
+pub type JobKey = [u8; 8];
 
 /// Opens socket `sock` of the link for channel index `ci` to the rank listening at
-/// `addr`, retrying until `deadline`, and introduces this rank.
+/// `addr`, retrying until `deadline`, and introduces this rank with the job's key.
 pub fn connect(
     addr: std::net::SocketAddr,
+    job: JobKey,
     rank: usize,
     ci: usize,
     sock: usize,
@@ -1133,8 +1143,9 @@ pub fn connect(
     deadline: Instant,
 ) -> io::Result<TcpStream> {
     let mut intro = [0u8; INTRO_BYTES];
+    intro[..8].copy_from_slice(&job);
     for (i, v) in [rank, ci, sock, striping.sockets()].into_iter().enumerate() {
-        intro[4 * i..4 * i + 4].copy_from_slice(&(v as u32).to_le_bytes());
+        intro[8 + 4 * i..8 + 4 * i + 4].copy_from_slice(&(v as u32).to_le_bytes());
     }
     let mut backoff = Duration::from_millis(5);
     loop {
@@ -1167,9 +1178,63 @@ pub struct Accepted {
     pub stream: TcpStream,
 }
 
-/// Accepts `expected` connections made by [`connect`] with the same striping.
+/// Reads a new connection's introduction: `Ok(None)` for a stranger (no introduction in
+/// time, the wrong key, or numbers that name no link), which is dropped.
+fn introduction(
+    s: &mut TcpStream,
+    job: JobKey,
+    nranks: usize,
+    channels: usize,
+    striping: Striping,
+    from: std::net::SocketAddr,
+) -> io::Result<Option<Accepted>> {
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(INTRO_TIMEOUT))?;
+    let mut intro = [0u8; INTRO_BYTES];
+    if let Err(e) = s.read_exact(&mut intro) {
+        tracing::info!("dropped a connection from {from}: no introduction ({e})");
+        return Ok(None);
+    }
+    if intro[..8] != job {
+        tracing::info!("dropped a connection from {from}: not this communicator's key");
+        return Ok(None);
+    }
+    s.set_read_timeout(None)?;
+    let field = |i: usize| {
+        u32::from_le_bytes(intro[8 + 4 * i..8 + 4 * i + 4].try_into().expect("4 bytes")) as usize
+    };
+    let (peer, channel, socket, sockets) = (field(0), field(1), field(2), field(3));
+    if sockets != striping.sockets() {
+        // One of the job's ranks, set up differently: an error, not a stranger.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "rank {peer} ({from}) uses {sockets} sockets per link, this rank {} \
+                 (FERROCCL_SOCKET_NTHREADS x FERROCCL_NSOCKS_PERTHREAD must agree on every \
+                 rank)",
+                striping.sockets()
+            ),
+        ));
+    }
+    if peer >= nranks || channel > channels || socket >= sockets {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{from} introduced itself as rank {peer}, channel {channel}, socket {socket}"),
+        ));
+    }
+    Ok(Some(Accepted {
+        channel,
+        peer,
+        socket,
+        stream: s.try_clone()?,
+    }))
+}
+
+/// Accepts `expected` connections made by [`connect`] with the same key and striping;
+/// connections without the key are dropped and do not count.
 pub fn accept(
     listener: &std::net::TcpListener,
+    job: JobKey,
     expected: usize,
     deadline: Instant,
     nranks: usize,
@@ -1181,46 +1246,9 @@ pub fn accept(
     while out.len() < expected {
         match listener.accept() {
             Ok((mut s, from)) => {
-                s.set_nonblocking(false)?;
-                s.set_read_timeout(Some(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(100)),
-                ))?;
-                let mut intro = [0u8; INTRO_BYTES];
-                s.read_exact(&mut intro)?;
-                s.set_read_timeout(None)?;
-                let field = |i: usize| {
-                    u32::from_le_bytes(intro[4 * i..4 * i + 4].try_into().expect("4 bytes"))
-                        as usize
-                };
-                let (peer, channel, socket, sockets) = (field(0), field(1), field(2), field(3));
-                if sockets != striping.sockets() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!(
-                            "rank {peer} ({from}) uses {sockets} sockets per link, this rank \
-                             {} (FERROCCL_SOCKET_NTHREADS x FERROCCL_NSOCKS_PERTHREAD must \
-                             agree on every rank)",
-                            striping.sockets()
-                        ),
-                    ));
+                if let Some(a) = introduction(&mut s, job, nranks, channels, striping, from)? {
+                    out.push(a);
                 }
-                if peer >= nranks || channel > channels || socket >= sockets {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!(
-                            "{from} introduced itself as rank {peer}, channel {channel}, \
-                             socket {socket}"
-                        ),
-                    ));
-                }
-                out.push(Accepted {
-                    channel,
-                    peer,
-                    socket,
-                    stream: s,
-                });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -1465,5 +1493,30 @@ mod tests {
             .validate()
             .is_ok()
         );
+    }
+
+    /// Strangers at a listening port (silent, garbage, another job's key) are dropped
+    /// and do not count; the job's own connections are accepted, whatever arrives first.
+    #[test]
+    fn connections_without_the_jobs_key_are_dropped() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let job: JobKey = *b"job-key!";
+        let striping = Striping::default();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Strangers first, so the acceptor meets them before the peers.
+        let silent = TcpStream::connect(addr).unwrap();
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(&[0xab; 64]).unwrap();
+        let other_job = connect(addr, *b"otherjob", 1, 0, 0, striping, deadline).unwrap();
+        let peers = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            [1usize, 2].map(|rank| connect(addr, job, rank, 0, 0, striping, deadline).unwrap())
+        });
+        let got = accept(&listener, job, 2, deadline, 3, 1, striping).unwrap();
+        let mut ranks: Vec<usize> = got.iter().map(|a| a.peer).collect();
+        ranks.sort();
+        assert_eq!(ranks, [1, 2]);
+        drop((silent, garbage, other_job, peers.join().unwrap()));
     }
 }
