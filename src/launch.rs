@@ -173,16 +173,19 @@ pub fn run(job: &LocalJob) -> Result<u8> {
         let port = args
             .master_port
             .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
-        let server =
-            TcpStoreServer::bind(("0.0.0.0", port), ServerOptions::from_env()?).map_err(|e| {
-                Error::io(
-                    format!("{}: run the store server on port {port}", job.name),
-                    match e {
-                        Error::Io { source, .. } => source,
-                        other => std::io::Error::other(other.to_string()),
-                    },
-                )
-            })?;
+        let server = TcpStoreServer::bind(
+            crate::bootstrap::store_bind_addr(&args.master_addr, port),
+            ServerOptions::from_env()?,
+        )
+        .map_err(|e| {
+            Error::io(
+                format!("{}: run the store server on port {port}", job.name),
+                match e {
+                    Error::Io { source, .. } => source,
+                    other => std::io::Error::other(other.to_string()),
+                },
+            )
+        })?;
         let port = server.local_addr().port();
         (Some(server), port)
     } else {

@@ -23,7 +23,6 @@ pub mod netif;
 mod peer;
 mod unique_id;
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -46,6 +45,31 @@ const PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
 /// Longest a rank that hosts the store stays after a timed-out rendezvous, so that the
 /// ranks that did arrive can still learn which ranks are missing.
 const MAX_HOST_LINGER: Duration = Duration::from_secs(10);
+
+/// Where the store server of a job whose `MASTER_ADDR` is `master_addr` listens: on that
+/// address, when it is one of this host's (so the port is not opened on every
+/// interface), else on every interface (`MASTER_ADDR` a name this host does not resolve
+/// to itself, e.g. behind NAT). `FERROCCL_STORE_BIND_ALL=1` asks for every interface.
+pub fn store_bind_addr(master_addr: &str, port: u16) -> std::net::SocketAddr {
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+    let resolved: Vec<SocketAddr> = (master_addr, port)
+        .to_socket_addrs()
+        .map(|a| a.collect())
+        .unwrap_or_default();
+    let any = if resolved.iter().all(SocketAddr::is_ipv6) && !resolved.is_empty() {
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port)
+    } else {
+        SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port)
+    };
+    if std::env::var("FERROCCL_STORE_BIND_ALL").is_ok_and(|v| v.trim() == "1") {
+        return any;
+    }
+    // An address of this host is one a socket can be bound to.
+    resolved
+        .into_iter()
+        .find(|a| std::net::TcpListener::bind(SocketAddr::new(a.ip(), 0)).is_ok())
+        .unwrap_or(any)
+}
 
 /// Settings of a rendezvous.
 #[derive(Clone, Debug)]
@@ -223,13 +247,8 @@ impl Bootstrap {
         let hosts_store = env.rank == 0 && !env.agent_store;
         let store_ends_with_rank = hosts_store || (env.agent_store && env.group_rank == Some(0));
         let client = if hosts_store {
-            let any: IpAddr = if env.master_addr.parse::<std::net::Ipv6Addr>().is_ok() {
-                std::net::Ipv6Addr::UNSPECIFIED.into()
-            } else {
-                std::net::Ipv4Addr::UNSPECIFIED.into()
-            };
             TcpStore::host(
-                (any, env.master_port),
+                store_bind_addr(&env.master_addr, env.master_port),
                 ServerOptions::from_env()?,
                 client_options,
             )
@@ -627,5 +646,14 @@ mod tests {
             assert_eq!(h.join().unwrap(), vec![vec![0], vec![1], vec![2], vec![3]]);
         }
         assert!(id.stop_server());
+    }
+
+    #[test]
+    fn the_store_binds_to_master_addr_when_it_is_this_hosts() {
+        let local = store_bind_addr("127.0.0.1", 0);
+        assert_eq!(local.ip().to_string(), "127.0.0.1");
+        // 192.0.2.1 (TEST-NET-1) is nobody's address here: every interface.
+        let elsewhere = store_bind_addr("192.0.2.1", 29500);
+        assert!(elsewhere.ip().is_unspecified() && elsewhere.port() == 29500);
     }
 }
