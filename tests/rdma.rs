@@ -9,7 +9,6 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::collectives;
 use ferroccl::bootstrap::Bootstrap;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
@@ -111,23 +110,11 @@ fn check_grid(
     for comm in &comms {
         assert_eq!(comm.cost_model().0.net, LinkCost::rdma(100.0));
     }
-    let n = comms.len();
-    let calls: Vec<common::Call> = collectives(n)
-        .into_iter()
-        .flat_map(|c| common::calls_of(c, dtypes, counts))
-        .collect();
-    let wrong = common::run_calls(&comms, &calls);
-    assert!(
-        wrong.is_empty(),
-        "{} of {} checks failed on {hosts}x{per_host} hosts over RDMA, e.g.:\n{}",
-        wrong.len(),
-        calls.len() * n,
-        wrong
-            .iter()
-            .take(10)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
+    common::check_grid(
+        &comms,
+        dtypes,
+        counts,
+        &format!("on {hosts}x{per_host} hosts over RDMA"),
     );
     drop(comms);
     assert_nothing_left(&fabric);
@@ -495,29 +482,11 @@ fn the_collective_grid_on_a_real_rdma_device() {
         let mut comm_config = small_fifos(2);
         comm_config.rdma = config.clone();
         let comms = start_on(None, hosts, per_host, &comm_config);
-        let n = comms.len();
-        let calls: Vec<common::Call> = collectives(n)
-            .into_iter()
-            .flat_map(|c| {
-                common::calls_of(
-                    c,
-                    &[DataType::Int32, DataType::Float32, DataType::Uint8],
-                    &COUNTS,
-                )
-            })
-            .collect();
-        let wrong = common::run_calls(&comms, &calls);
-        assert!(
-            wrong.is_empty(),
-            "{} of {} checks failed on the real device, e.g.:\n{}",
-            wrong.len(),
-            calls.len() * n,
-            wrong
-                .iter()
-                .take(10)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("\n")
+        common::check_grid(
+            &comms,
+            &[DataType::Int32, DataType::Float32, DataType::Uint8],
+            &COUNTS,
+            "on the real device",
         );
     }
 }
@@ -568,12 +537,12 @@ fn rdma_and_tcp_pairs_in_one_job() {
     assert_eq!(fabric.live_qps(), 2 * 2);
     // The cost model keeps TCP's numbers: not every pair is over RDMA.
     assert_ne!(comms[0].cost_model().0.net, LinkCost::rdma(100.0));
-    let calls: Vec<common::Call> = collectives(3)
-        .into_iter()
-        .flat_map(|c| common::calls_of(c, &[DataType::Int32], &[0, 1, 7, 5000]))
-        .collect();
-    let wrong = common::run_calls(&comms, &calls);
-    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    common::check_grid(
+        &comms,
+        &[DataType::Int32],
+        &[0, 1, 7, 5000],
+        "on RDMA and TCP pairs",
+    );
     drop(comms);
     assert_nothing_left(&fabric);
 }

@@ -74,6 +74,27 @@ pub fn interface_addrs() -> Result<Vec<InterfaceAddr>> {
     Ok(out)
 }
 
+/// NCCL's list syntax (`NCCL_SOCKET_IFNAME`, `NCCL_IB_HCA`): a leading `^` (exclude),
+/// then a leading `=` (exact names), then comma-separated items (trimmed, empty ones
+/// dropped). Returns `(exclude, exact, items)`.
+pub fn parse_nccl_list(spec: &str) -> (bool, bool, Vec<&str>) {
+    let mut rest = spec.trim();
+    let exclude = rest.starts_with('^');
+    if exclude {
+        rest = &rest[1..];
+    }
+    let exact = rest.starts_with('=');
+    if exact {
+        rest = &rest[1..];
+    }
+    let items = rest
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    (exclude, exact, items)
+}
+
 /// An interface filter in NCCL's `NCCL_SOCKET_IFNAME` syntax: a comma-separated list of
 /// name prefixes; `^` before the list excludes instead of selects; `=` before the list
 /// makes the names exact.
@@ -87,25 +108,11 @@ pub struct IfaceFilter {
 impl IfaceFilter {
     /// Parses a filter (`"eth,ib"`, `"^docker,lo"`, `"=eth0"`, `"^=lo"`).
     pub fn parse(spec: &str) -> Self {
-        let mut rest = spec.trim();
-        let exclude = rest.starts_with('^');
-        if exclude {
-            rest = &rest[1..];
-        }
-        let exact = rest.starts_with('=');
-        if exact {
-            rest = &rest[1..];
-        }
-        let names = rest
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-            .collect();
+        let (exclude, exact, names) = parse_nccl_list(spec);
         IfaceFilter {
             exclude,
             exact,
-            names,
+            names: names.into_iter().map(str::to_string).collect(),
         }
     }
 

@@ -795,16 +795,6 @@ impl Connections {
         }
     }
 
-    /// The RDMA device port this rank uses for its peers on other hosts, if any (for
-    /// `ferroccl-topo` and logs).
-    pub fn net_device(&self) -> Option<String> {
-        #[cfg(feature = "rdma")]
-        if let Some(net) = &self.rdma {
-            return Some(net.device().to_string());
-        }
-        None
-    }
-
     /// Registers `len` bytes at `addr` (see [`Registration`]).
     ///
     /// # Safety

@@ -1181,7 +1181,7 @@ pub struct Accepted {
 /// Reads a new connection's introduction: `Ok(None)` for a stranger (no introduction in
 /// time, the wrong key, or numbers that name no link), which is dropped.
 fn introduction(
-    s: &mut TcpStream,
+    mut s: TcpStream,
     job: JobKey,
     nranks: usize,
     channels: usize,
@@ -1226,7 +1226,7 @@ fn introduction(
         channel,
         peer,
         socket,
-        stream: s.try_clone()?,
+        stream: s,
     }))
 }
 
@@ -1245,8 +1245,8 @@ pub fn accept(
     let mut out = Vec::with_capacity(expected);
     while out.len() < expected {
         match listener.accept() {
-            Ok((mut s, from)) => {
-                if let Some(a) = introduction(&mut s, job, nranks, channels, striping, from)? {
+            Ok((s, from)) => {
+                if let Some(a) = introduction(s, job, nranks, channels, striping, from)? {
                     out.push(a);
                 }
             }

@@ -184,6 +184,34 @@ pub fn run_calls(comms: &[Communicator], calls: &[Call]) -> Vec<String> {
     })
 }
 
+/// Runs every collective and root × `dtypes` × ops × `counts` × in and out of place on
+/// `comms` and asserts every rank's output is right; `what` names the setup in the
+/// failure message.
+pub fn check_grid(
+    comms: &[Communicator],
+    dtypes: &[ferroccl::DataType],
+    counts: &[usize],
+    what: &str,
+) {
+    let calls: Vec<Call> = collectives(comms.len())
+        .into_iter()
+        .flat_map(|c| calls_of(c, dtypes, counts))
+        .collect();
+    let wrong = run_calls(comms, &calls);
+    assert!(
+        wrong.is_empty(),
+        "{} of {} checks failed {what}, e.g.:\n{}",
+        wrong.len(),
+        calls.len() * comms.len(),
+        wrong
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// Every collective with every root of `n` ranks.
 pub fn collectives(n: usize) -> Vec<Collective> {
     Collective::every(n)

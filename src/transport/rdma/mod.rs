@@ -271,17 +271,9 @@ pub struct HcaFilter {
 impl HcaFilter {
     /// Parses NCCL's syntax; an error says what is wrong.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
-        let mut rest = text.trim();
-        let exclude = rest.starts_with('^');
-        if exclude {
-            rest = &rest[1..];
-        }
-        let exact = rest.starts_with('=');
-        if exact {
-            rest = &rest[1..];
-        }
+        let (exclude, exact, items) = crate::bootstrap::netif::parse_nccl_list(text);
         let mut entries = Vec::new();
-        for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in items {
             let (name, port) = match item.split_once(':') {
                 Some((n, p)) => {
                     let port =
@@ -1101,11 +1093,6 @@ impl RdmaNet {
             shared: self.shared.clone(),
             index,
         }
-    }
-
-    /// The device port in use.
-    pub fn device(&self) -> &DeviceInfo {
-        self.shared.nic.device()
     }
 
     /// Registers `len` bytes at `addr` with the device, through a cache: a buffer inside
