@@ -46,7 +46,13 @@ pub fn provision() -> PathBuf {
         "install torch, numpy, pytest, maturin and ruff (torch is large: minutes)",
         Command::new(venv.join("bin/pip"))
             // No wheel cache: it would keep a second copy of torch's 3 GB of wheels.
-            .args(["install", "--disable-pip-version-check", "--no-cache-dir", "-q", "-r"])
+            .args([
+                "install",
+                "--disable-pip-version-check",
+                "--no-cache-dir",
+                "-q",
+                "-r",
+            ])
             .arg(&requirements),
     );
     std::fs::write(&stamp, wanted).expect("write the requirements stamp");
