@@ -137,10 +137,18 @@ impl FileStore {
                     .set_len(inner.offset)
                     .map_err(|e| Error::io("file store: cut torn record", e))?;
             }
-            inner
-                .file
-                .write_all(&records)
-                .map_err(|e| Error::io("file store: append", e))?;
+            if let Err(e) = inner.file.write_all(&records) {
+                // Nothing of a failed append may count (e.g. a full filesystem): cut
+                // what part of it reached the file, and forget the state `f` changed,
+                // so the next operation replays the log from the start.
+                let _ = inner.file.set_len(inner.offset);
+                inner.kv = KvState::default();
+                inner.offset = 0;
+                return Err(Error::io(
+                    format!("file store {}: append", self.path.display()),
+                    e,
+                ));
+            }
             // Our own records are already applied to `kv` by `f`.
             inner.offset += records.len() as u64;
         }
