@@ -95,16 +95,25 @@ impl Segment {
                     .create_new(true)
                     .open(&path)
                     .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-                file.set_len(len as u64).map_err(|e| {
+                // Allocate every page now, as NCCL does: a sparse file on a full tmpfs
+                // would only fail when a page is first touched, with SIGBUS mid-call.
+                // SAFETY: a valid open descriptor; offset and length checked by the
+                // kernel.
+                let err = unsafe {
+                    libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, len as _)
+                };
+                if err != 0 {
                     let _ = std::fs::remove_file(&path);
-                    Error::io(
+                    return Err(Error::io(
                         format!(
-                            "size {} to {len} bytes (is /dev/shm full? see `df -h /dev/shm`)",
+                            "allocate {len} bytes for {} (is /dev/shm full? see `df -h \
+                             /dev/shm`; in a container, raise its size, e.g. docker \
+                             --shm-size)",
                             path.display()
                         ),
-                        e,
-                    )
-                })?;
+                        std::io::Error::from_raw_os_error(err),
+                    ));
+                }
                 Self::map(file, name, len)
             }
             SegmentKind::InProcess => {
