@@ -161,7 +161,13 @@ pub enum Error {
     },
 
     /// A collective did not complete before its deadline.
-    #[error("rank {rank}: {op} #{seq} timed out after {waited:?} waiting on ranks {waiting_on:?}")]
+    #[error(
+        "rank {rank}: {op} #{seq} timed out after {waited:?} waiting on ranks {waiting_on:?}{}",
+        stalled.map_or(String::new(), |s| format!(
+            "; the waits lead to rank {s}, which is not running (stopped, or busy outside \
+             the call)"
+        ))
+    )]
     Timeout {
         /// The operation.
         op: String,
@@ -171,6 +177,9 @@ pub enum Error {
         rank: usize,
         /// The peers it was still waiting for.
         waiting_on: Vec<usize>,
+        /// The rank that stalls the wait, when the peers waited on wait in turn (through
+        /// this host) for a rank that is not running.
+        stalled: Option<usize>,
         /// How long it waited.
         waited: Duration,
     },
@@ -207,6 +216,21 @@ impl Error {
         Error::Io {
             context: context.into(),
             source,
+        }
+    }
+
+    /// The rank a collective's failure blames, if it names one: the peer that failed
+    /// first, or the rank a timeout's waits led to (else the first rank waited on). A
+    /// job that goes on without it passes it to [`Communicator::shrink`](crate::Communicator::shrink).
+    pub fn blamed_rank(&self) -> Option<usize> {
+        match self {
+            Error::PeerFailed { failed_rank, .. } => Some(*failed_rank),
+            Error::Timeout {
+                stalled,
+                waiting_on,
+                ..
+            } => stalled.or(waiting_on.first().copied()),
+            _ => None,
         }
     }
 }

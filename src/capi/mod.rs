@@ -46,6 +46,8 @@ pub const INTERNAL_ERROR: c_int = 3;
 pub const INVALID_ARGUMENT: c_int = 4;
 /// `ncclInvalidUsage`: a valid call at the wrong time, or something ferroccl cannot do.
 pub const INVALID_USAGE: c_int = 5;
+/// `NCCL_SHRINK_ABORT`: `ncclCommShrink` aborts the parent first.
+pub const SHRINK_ABORT: c_int = 1;
 /// `ncclRemoteError`: a peer failed, left or timed out.
 pub const REMOTE_ERROR: c_int = 6;
 /// `ncclInProgress`.
@@ -572,6 +574,74 @@ nccl_api! {
                 }
                 None => std::ptr::null_mut(),
             };
+            // SAFETY: non-NULL, the caller's ncclComm_t.
+            unsafe { *newcomm = out };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommShrink` (NCCL 2.27): a communicator of the ranks not in
+    /// `excludeRanksList`, for going on after a rank failed; every surviving rank calls
+    /// it with the same list. `NCCL_SHRINK_ABORT` (1) in `shrinkFlags` first aborts
+    /// `comm`, so that calls of other threads still waiting on it fail at once.
+    fn ncclCommShrink / pncclCommShrink(
+        comm: *mut c_void,
+        exclude_ranks_list: *mut c_int,
+        exclude_ranks_count: c_int,
+        newcomm: *mut *mut c_void,
+        config: *mut c_void,
+        shrink_flags: c_int,
+    ) -> c_int {
+        api("ncclCommShrink", || {
+            let handle = CommHandle::find(comm)?;
+            if newcomm.is_null() {
+                return Err(invalid("newcomm is NULL"));
+            }
+            let count = usize::try_from(exclude_ranks_count).map_err(|_| {
+                invalid(format!("excludeRanksCount {exclude_ranks_count} is negative"))
+            })?;
+            if count > 0 && exclude_ranks_list.is_null() {
+                return Err(invalid(format!(
+                    "excludeRanksList is NULL with excludeRanksCount {count}"
+                )));
+            }
+            if shrink_flags & !SHRINK_ABORT != 0 {
+                return Err(invalid(format!(
+                    "shrinkFlags {shrink_flags:#x}: only NCCL_SHRINK_DEFAULT (0) and \
+                     NCCL_SHRINK_ABORT (1) exist"
+                )));
+            }
+            if group::in_group() {
+                return Err(Failure::new(
+                    INVALID_USAGE,
+                    "ncclCommShrink inside ncclGroupStart/ncclGroupEnd is not supported",
+                ));
+            }
+            let exclude: Vec<usize> = if count == 0 {
+                Vec::new()
+            } else {
+                // SAFETY: non-NULL, and the caller's array of `count` ints.
+                unsafe { std::slice::from_raw_parts(exclude_ranks_list, count) }
+                    .iter()
+                    .map(|&r| {
+                        usize::try_from(r)
+                            .map_err(|_| invalid(format!("excluded rank {r} is negative")))
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            // SAFETY: NULL or the caller's initialised config.
+            let settings = unsafe { handle::read_config(config) }?;
+            // A failed communicator can still shrink: it needs only its bootstrap.
+            let c = handle.any_communicator()?;
+            if shrink_flags & SHRINK_ABORT != 0 {
+                c.abort();
+            }
+            let config = settings.apply(c.config().clone());
+            let sub = c
+                .shrink_with(&exclude, config)
+                .map_err(|e| Failure::from_error(&e))?;
+            let (rank, n) = (sub.rank(), sub.size());
+            let out = CommHandle::register(Life::Ready(sub.into()), settings.nonblocking, rank, n).1;
             // SAFETY: non-NULL, the caller's ncclComm_t.
             unsafe { *newcomm = out };
             Ok(SUCCESS)

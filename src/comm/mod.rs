@@ -473,6 +473,70 @@ impl Communicator {
         Communicator::from_bootstrap(boot, config).map(Some)
     }
 
+    /// A communicator of this one's ranks except `exclude` (`ncclCommShrink`), so that a
+    /// job can go on past a dead rank: every rank not excluded calls it with the same
+    /// list; ranks keep their order (new rank = position among the survivors). It works
+    /// on a communicator that failed or was aborted, since it needs only the bootstrap
+    /// store: the process hosting the store must be alive (rank 0's for a
+    /// [`UniqueId`] job; `ferrorun`'s agent for a launched one).
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        self.shrink_with(exclude, self.config.clone())
+    }
+
+    /// [`Communicator::shrink`] with other settings for the new communicator.
+    pub fn shrink_with(&self, exclude: &[usize], config: CommConfig) -> Result<Communicator> {
+        config.validate()?;
+        let mut gone = exclude.to_vec();
+        gone.sort_unstable();
+        if let Some(&r) = gone.iter().find(|&&r| r >= self.nranks) {
+            return Err(Error::invalid(format!(
+                "shrink: excluded rank {r} is not a rank of this communicator of {} ranks",
+                self.nranks
+            )));
+        }
+        if let Some(w) = gone.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::invalid(format!(
+                "shrink: rank {} excluded twice",
+                w[0]
+            )));
+        }
+        if gone.binary_search(&self.rank).is_ok() {
+            return Err(Error::invalid(format!(
+                "shrink: rank {} is in the exclude list it passed; excluded ranks do not \
+                 call shrink",
+                self.rank
+            )));
+        }
+        let survivors: Vec<usize> = (0..self.nranks)
+            .filter(|r| gone.binary_search(r).is_err())
+            .collect();
+        let new_rank = survivors
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("not excluded");
+        // Survivors have made the same splits and shrinks, so they agree on the
+        // generation; the list is part of the rendezvous' name, so ranks passing
+        // different lists never meet (they time out naming the ranks they missed).
+        let generation = self.splits.fetch_add(1, Ordering::SeqCst);
+        let list: Vec<String> = gone.iter().map(usize::to_string).collect();
+        let store = PrefixStore::new(
+            format!("shrink/{generation}/without/{}", list.join(",")),
+            self.boot.store().clone(),
+        );
+        let boot = self.boot.sub(
+            Arc::new(store),
+            new_rank,
+            survivors.len(),
+            &config.bootstrap,
+        )?;
+        tracing::info!(
+            "rank {}: shrunk to rank {new_rank} of {} without ranks {gone:?}",
+            self.rank,
+            survivors.len()
+        );
+        Communicator::from_bootstrap(boot, config)
+    }
+
     // ----- typed collectives -------------------------------------------------------
 
     /// `recv = op(send of every rank)` (`ncclAllReduce`).
@@ -1073,9 +1137,13 @@ impl Communicator {
                 other => other.to_string(),
             });
             // Tell the peers which rank failed first, as far as this rank knows: the
-            // one it saw fail, or the one it timed out waiting for.
+            // one it saw fail, the stalled one its wait led to, or the one it timed out
+            // waiting for.
             let why = match e {
                 Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
+                Error::Timeout {
+                    stalled: Some(s), ..
+                } => Closed::PeerFailed(*s),
                 Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
                     Closed::PeerFailed(waiting_on[0])
                 }

@@ -362,6 +362,7 @@ impl Launcher {
                         seq,
                         rank: self.rank,
                         waiting_on: Vec::new(),
+                        stalled: None,
                         waited: Duration::ZERO,
                     });
                 }

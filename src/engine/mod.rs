@@ -45,6 +45,9 @@ const DEDICATED_SPIN: Duration = Duration::from_micros(100);
 const OVERSUBSCRIBED_WAIT: (u32, u32) = (0, 64);
 /// Longest single sleep (a sleeping rank wakes at least this often to check on peers).
 const MAX_SLEEP: Duration = Duration::from_millis(50);
+/// After a timeout, how long a rank watches the peers on the chain of waits for one that
+/// does not wake (several [`MAX_SLEEP`]s, so a waiting peer surely wakes in it).
+const STALL_WATCH: Duration = Duration::from_millis(200);
 /// How often a waiting rank asks the kernel whether the processes it waits on exist.
 const PROCESS_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -149,8 +152,9 @@ pub unsafe fn execute(
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
     let result = unsafe { run_lanes(plan, ops, conns, call) };
-    // Between calls the TCP receive proxies read the links.
+    // Between calls the TCP receive proxies read the links, and this rank waits on no one.
     conns.stop_reading();
+    conns.bell().set_waiting_on(&[]);
     result
 }
 
@@ -164,6 +168,8 @@ unsafe fn run_lanes(
     conns: &mut Connections,
     call: &CallInfo,
 ) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    crate::fault::arm(call.seq)?;
     // Lane states on the stack for plans of up to 16 lanes (a small call allocates
     // nothing).
     let mut inline = [LaneState::default(); 16];
@@ -276,15 +282,32 @@ unsafe fn run_lanes(
         let deadline = start + call.timeout;
         if now >= deadline {
             conns.bell().cancel_sleep();
+            let stalled = conns
+                .stalled_rank(&waiting_on, STALL_WATCH)
+                .filter(|&s| Some(&s) != waiting_on.first());
+            // While this rank watched, a peer may have found and named the culprit.
+            if stalled.is_none()
+                && let Some((failed_rank, detail)) = peer_failure(conns, &waiting_on, true)
+            {
+                return Err(Error::PeerFailed {
+                    op: call.op.to_string(),
+                    seq: call.seq,
+                    rank: conns.rank(),
+                    failed_rank,
+                    detail,
+                });
+            }
             return Err(Error::Timeout {
                 op: call.op.to_string(),
                 seq: call.seq,
                 rank: conns.rank(),
                 waiting_on,
+                stalled,
                 waited: now.duration_since(start),
             });
         }
         let nap = MAX_SLEEP.min(deadline - now).min(PROCESS_CHECK_INTERVAL);
+        conns.bell().set_waiting_on(&waiting_on);
         // Asleep, the engine cannot read TCP links in line: their proxies do, and ring.
         conns.stop_reading();
         conns.bell().sleep(seq, nap);
@@ -397,6 +420,10 @@ unsafe fn advance(
     let mut moved = false;
     while let Some(step) = steps.get(st.step) {
         let len = step.len();
+        #[cfg(feature = "fault-injection")]
+        if st.done == 0 {
+            crate::fault::strike(step);
+        }
         if trace.is_some() {
             StepTrace::reach(st);
         }

@@ -106,6 +106,7 @@ impl Entry {
                 seq: self.seq,
                 rank,
                 waiting_on,
+                stalled: None,
                 waited,
             })
     }

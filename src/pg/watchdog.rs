@@ -171,6 +171,7 @@ pub(super) fn check_desync(inner: &Inner, seq: u64, signature: &str) -> Result<(
             seq,
             rank,
             waiting_on: missing,
+            stalled: None,
             waited: start.elapsed(),
         });
     }

@@ -6,7 +6,9 @@
 //! peer that publishes a slot to it, or frees a slot it was waiting for, rings the bell
 //! (bumps `seq` and wakes it) — but only when the rank said it is going to sleep, so the
 //! busy path costs no system call. The `closed` and `cause` words let a rank that leaves
-//! (destroy, abort, or failure) tell everyone waiting on it, and why.
+//! (destroy, abort, or failure) tell everyone waiting on it, and why. The `waiting_on`
+//! and `wakes` words let a rank that timed out follow the chain of waits to the rank
+//! that stalls it ([`super::Connections::stalled_rank`]).
 
 use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::Duration;
@@ -37,6 +39,14 @@ const SEQ: usize = 0;
 const SLEEPING: usize = 64;
 const CLOSED: usize = 128;
 const CAUSE: usize = 192;
+/// How many peers the owner waits on, then their ranks (at most [`MAX_WAITING_ON`]),
+/// set before each sleep in a call.
+const WAITING_ON: usize = 256;
+/// Most peers a bell lists as waited on.
+pub const MAX_WAITING_ON: usize = 8;
+/// Bumped every time the owner wakes from a sleep: a waiting rank whose count stands
+/// still is not running (stopped, or busy outside the wait).
+const WAKES: usize = 320;
 
 impl Bell {
     /// Wraps a segment of at least [`BELL_BYTES`] bytes (zeroed by its creator).
@@ -84,6 +94,41 @@ impl Bell {
     pub fn sleep(&self, seq: u32, timeout: Duration) {
         futex_wait(self.word(SEQ), seq, timeout);
         self.word(SLEEPING).fetch_sub(1, Ordering::Relaxed);
+        self.word(WAKES).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The owner records the peers it is about to wait on (the first
+    /// [`MAX_WAITING_ON`]; none once its call ended).
+    pub fn set_waiting_on(&self, peers: &[usize]) {
+        let peers = &peers[..peers.len().min(MAX_WAITING_ON)];
+        if self.waiting_on().iter().eq(peers.iter()) {
+            return;
+        }
+        for (i, &p) in peers.iter().enumerate() {
+            self.word(WAITING_ON + 4 * (i + 1))
+                .store(p as u32, Ordering::Relaxed);
+        }
+        self.word(WAITING_ON)
+            .store(peers.len() as u32, Ordering::Release);
+    }
+
+    /// The peers the owner last said it waits on (a peer reading it while the owner
+    /// changes it may see a mix of the two lists: it is a diagnosis, not a protocol).
+    pub fn waiting_on(&self) -> Vec<usize> {
+        let n = (self.word(WAITING_ON).load(Ordering::Acquire) as usize).min(MAX_WAITING_ON);
+        (1..=n)
+            .map(|i| self.word(WAITING_ON + 4 * i).load(Ordering::Relaxed) as usize)
+            .collect()
+    }
+
+    /// The owner shows it is running without sleeping (while it watches its peers).
+    pub fn note_awake(&self) {
+        self.word(WAKES).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times the owner woke from a sleep (wraps).
+    pub fn wakes(&self) -> u32 {
+        self.word(WAKES).load(Ordering::Relaxed)
     }
 
     /// The owner decided not to sleep after [`Bell::prepare_sleep`].

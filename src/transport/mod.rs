@@ -875,6 +875,41 @@ impl Connections {
         PeerState::Alive
     }
 
+    /// After a timeout waiting on `waiting_on`: searches the graph of waits from them,
+    /// breadth first, through the peers on this host (each lists in its bell whom it
+    /// waits on) for a rank that is not running — a peer that did not wake once in
+    /// `watch` although a waiting engine wakes at least every 50 ms: it is stopped, or
+    /// busy outside the call. `None` when every reachable peer on this host is waiting
+    /// normally (the search does not cross hosts).
+    pub fn stalled_rank(&self, waiting_on: &[usize], watch: std::time::Duration) -> Option<usize> {
+        let bell = |p: usize| self.peer_bells.get(p)?.as_ref();
+        let before: Vec<Option<u32>> = (0..self.nranks).map(|p| Some(bell(p)?.wakes())).collect();
+        // Watching, this rank keeps its own count moving: a peer watching at the same
+        // time must not take it for the stalled one.
+        let start = std::time::Instant::now();
+        while start.elapsed() < watch {
+            self.bell.note_awake();
+            std::thread::sleep(watch.min(std::time::Duration::from_millis(20)));
+        }
+        let mut seen = vec![false; self.nranks];
+        seen[self.rank] = true;
+        let mut queue: std::collections::VecDeque<usize> = waiting_on.iter().copied().collect();
+        while let Some(p) = queue.pop_front() {
+            if p >= self.nranks || std::mem::replace(&mut seen[p], true) {
+                continue;
+            }
+            let Some(b) = bell(p) else { continue };
+            if b.closed() != Closed::Open {
+                continue;
+            }
+            if before[p] == Some(b.wakes()) {
+                return Some(p);
+            }
+            queue.extend(b.waiting_on());
+        }
+        None
+    }
+
     /// Marks this rank's communicator closed for everyone and wakes every peer, so that
     /// any of them waiting on this rank notices now.
     pub fn close(&mut self, why: Closed) {
