@@ -25,6 +25,8 @@
 //! - [`launch`]: starting and supervising a node's ranks (`ferrorun`, perf tools' `-np`).
 //! - [`perf`]: the nccl-tests-compatible bus-bandwidth tools (`all_reduce_perf`, …).
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
+//! - `fault` (cargo feature `fault-injection`, for the failure-model tests): a rank that
+//!   kills or stops itself at a chosen kind of plan step.
 //!
 //! # Example: an all-reduce on four ranks (threads)
 //!
@@ -78,6 +80,8 @@ pub mod cuda;
 pub mod ddp;
 pub mod engine;
 pub mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod launch;
 pub mod perf;
 pub mod pg;

@@ -4,13 +4,14 @@
 //! host and across hosts.
 //!
 //! This test binary is its own rank program: the parent (run by `cargo test`) starts
-//! copies of itself with `FERROCCL_TEST_ROLE` set, so it uses no harness (a custom
-//! `main`) and prints libtest's summary line itself.
+//! copies of itself with `FERROCCL_TEST_ROLE` set, so it has no libtest harness (see
+//! `tests/ranks`).
 
 mod common;
+mod ranks;
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ExitCode};
 use std::time::{Duration, Instant};
 
 use common::{collectives, ops, run_and_check};
@@ -18,6 +19,7 @@ use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
 use ferroccl::{Communicator, DataType, ReduceOp};
+use ranks::{PlainTest, TestFn, rank_command, run_tests, shm_left_by, wait_all};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
 /// Exit code of a surviving rank that reported the failure of a peer.
@@ -27,11 +29,7 @@ fn main() -> ExitCode {
     if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
         return ExitCode::from(child(&role));
     }
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let tests: [(&str, TestFn); 10] = [
+    let tests: [(&str, PlainTest); 10] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
         ("grid_on_four_processes_with_ll_forced", || {
             grid_on_processes(4, Net::ShmLL)
@@ -59,38 +57,13 @@ fn main() -> ExitCode {
             killed_rank_is_named(Net::TwoHosts)
         }),
     ];
-    let start = Instant::now();
-    let (mut passed, mut failed) = (0, 0);
-    for (name, test) in tests {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        let t = Instant::now();
-        match test() {
-            Ok(()) => {
-                passed += 1;
-                println!("test {name} ... ok ({:.1?})", t.elapsed());
-            }
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED\n{e}");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {failed} failed; 0 ignored; 0 measured; 0 filtered out; finished in {:.2}s\n",
-        if failed == 0 { "ok" } else { "FAILED" },
-        start.elapsed().as_secs_f64()
-    );
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    run_tests(
+        tests
+            .into_iter()
+            .map(|(name, f)| (name.to_string(), Box::new(f) as TestFn))
+            .collect(),
+    )
 }
-
-/// A test: `Err` carries the failure message.
-type TestFn = fn() -> Result<(), String>;
 
 /// The settings of a child rank: small slots, so counts span many of them, over what
 /// the parent set in the environment (transport, algorithm, channels, sockets).
@@ -129,7 +102,7 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
     let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     (0..n)
         .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            let mut cmd = rank_command(role);
             for var in [
                 "FERROCCL_TRANSPORT",
                 "FERROCCL_HOSTID",
@@ -169,39 +142,13 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                         .env("FERROCCL_NCHANNELS", "2");
                 }
             }
-            cmd.env("FERROCCL_TEST_ROLE", role)
-                .env("FERROCCL_TEST_ID", id.to_string())
+            cmd.env("FERROCCL_TEST_ID", id.to_string())
                 .env("FERROCCL_TEST_RANK", rank.to_string())
                 .env("FERROCCL_TEST_NRANKS", n.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect()
-}
-
-fn wait_all(children: Vec<Child>, limit: Duration) -> Result<Vec<(i32, String, String)>, String> {
-    let deadline = Instant::now() + limit;
-    let mut outs = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-                let mut out = String::new();
-                let mut err = String::new();
-                child.stdout.take().unwrap().read_to_string(&mut out).ok();
-                child.stderr.take().unwrap().read_to_string(&mut err).ok();
-                outs.push((status.code().unwrap_or(-1), out, err));
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                return Err(format!("rank {rank} still running after {limit:?}"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    Ok(outs)
 }
 
 fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
@@ -211,9 +158,10 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
         "small-grid"
     };
     let outs = wait_all(spawn_ranks(role, n, net), Duration::from_secs(300))?;
-    for (rank, (code, out, err)) in outs.iter().enumerate() {
-        if *code != 0 || !out.contains("checks passed") {
-            return Err(format!("rank {rank} exited {code}:\n{out}\n{err}"));
+    for (rank, e) in outs.iter().enumerate() {
+        let (code, out, err) = (e.code, &e.stdout, &e.stderr);
+        if code != Some(0) || !out.contains("checks passed") {
+            return Err(format!("rank {rank} exited {code:?}:\n{out}\n{err}"));
         }
         // The transport log line shows the links really are striped TCP.
         let striped = format!("{} links of 2 threads x 2 sockets", 2 * (n - 1));
@@ -254,18 +202,20 @@ fn killed_rank_is_named(net: Net) -> Result<(), String> {
         }
     }
     std::thread::sleep(Duration::from_millis(300));
-    let prefix = format!("ferroccl-{}-", children[0].id());
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
     children[victim].kill().map_err(|e| e.to_string())?;
     let killed_at = Instant::now();
     let outs = wait_all(children, Duration::from_secs(60))?;
     let took = killed_at.elapsed();
-    for (rank, (code, _, err)) in outs.iter().enumerate() {
+    for (rank, e) in outs.iter().enumerate() {
         if rank == victim {
             continue;
         }
-        if *code != SAW_FAILURE {
+        let err = &e.stderr;
+        if e.code != Some(SAW_FAILURE) {
             return Err(format!(
-                "rank {rank} exited {code}, want {SAW_FAILURE}:\n{err}"
+                "rank {rank} exited {:?}, want {SAW_FAILURE}:\n{err}",
+                e.code
             ));
         }
         let named = ["rank 2 died", "rank 2 failed", "rank 2 is unreachable"]
@@ -281,17 +231,13 @@ fn killed_rank_is_named(net: Net) -> Result<(), String> {
     if took > Duration::from_secs(10) {
         return Err(format!("survivors took {took:?} to give up"));
     }
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map_err(|e| e.to_string())?
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|f| f.starts_with(&prefix))
-        .collect();
+    let left = shm_left_by(&pids);
     if !left.is_empty() {
         return Err(format!("left in /dev/shm: {left:?}"));
     }
     println!(
         "  survivors reported rank {victim}'s death {took:.2?} after the kill, e.g. {:?}",
-        outs[0].2.trim()
+        outs[0].stderr.trim()
     );
     Ok(())
 }
