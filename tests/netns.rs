@@ -308,6 +308,17 @@ fn all_collectives_on_four_hosts_of_one_rank() {
 
 #[test]
 fn a_cut_link_is_named_by_every_other_rank() {
+    cut_link(&[("FERROCCL_ALGO", "ring")]);
+}
+
+#[test]
+fn a_cut_link_under_the_tree_is_named_by_every_other_rank() {
+    cut_link(&[("FERROCCL_ALGO", "tree"), ("FERROCCL_NCHANNELS", "2")]);
+}
+
+/// Host 2's link is cut during a long run of 4 MiB all-reduces (with `algo`'s settings):
+/// every other rank fails naming rank 2 within the link timeout.
+fn cut_link(algo: &[(&str, &str)]) {
     let Some(h) = hosts(4, None) else { return };
     let (_, exe, _) = TOOLS[0];
     // A long run of 4 MiB all-reduces; host 2's link is cut while they run.
@@ -327,7 +338,12 @@ fn a_cut_link_is_named_by_every_other_rank() {
         "--no-progress",
     ];
     let mut children: Vec<Child> = (0..4)
-        .map(|r| h.spawn(r, r, 4, exe, &args, &[("FERROCCL_LINK_TIMEOUT", "3")]))
+        .map(|r| {
+            // INFO logs name the algorithm of each call, checked below.
+            let mut env = vec![("FERROCCL_LINK_TIMEOUT", "3"), ("FERROCCL_DEBUG", "INFO")];
+            env.extend_from_slice(algo);
+            h.spawn(r, r, 4, exe, &args, &env)
+        })
         .collect();
     // Rank 0 prints the header once every rank is connected.
     let mut seen = String::new();
@@ -342,6 +358,7 @@ fn a_cut_link_is_named_by_every_other_rank() {
         );
         seen.push_str(&String::from_utf8_lossy(&buf[..n]));
     }
+    let wanted = format!("uses {}/", algo[0].1);
     std::thread::sleep(Duration::from_millis(500));
     h.cut(2).unwrap();
     let cut_at = Instant::now();
@@ -361,5 +378,7 @@ fn a_cut_link_is_named_by_every_other_rank() {
     }
     // Well within the 60 s collective deadline: the 3 s link timeout noticed it.
     assert!(took < Duration::from_secs(20), "took {took:?}");
-    eprintln!("every survivor named rank 2 within {took:.1?} of the cut");
+    let rank0 = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(rank0.contains(&wanted), "not run with {wanted}: {rank0}");
+    eprintln!("{wanted}: every survivor named rank 2 within {took:.1?} of the cut");
 }
