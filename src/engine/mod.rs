@@ -239,7 +239,7 @@ unsafe fn run_lanes(
         // its last slots before it closes, so whatever it sent before closing is seen
         // by the look, and a closed peer is only an error if nothing is left to take.
         let seq = conns.bell().prepare_sleep();
-        let waiting_on = blocked_peers(plan, lanes);
+        let waiting_on = blocked_peers(plan, lanes, ops, conns);
         let now = Instant::now();
         let check_process =
             last_process_check.is_none_or(|t| now.duration_since(t) >= PROCESS_CHECK_INTERVAL);
@@ -347,15 +347,49 @@ fn peer_failure(
     None
 }
 
-/// The peers the unfinished lanes are waiting on (their current steps' peers).
-fn blocked_peers(plan: &Plan, lanes: &[LaneState]) -> Vec<usize> {
-    let mut peers: Vec<usize> = plan
-        .lanes
-        .iter()
-        .zip(lanes)
-        .filter_map(|(lane, st)| lane.steps.get(st.step))
-        .flat_map(|s| s.recv_from().into_iter().chain(s.send_to()))
-        .collect();
+/// The operation a step's regions belong to.
+fn op_of(step: &Step) -> usize {
+    match *step {
+        Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => dst.op,
+        Step::Send { src, .. }
+        | Step::CopySend { src, .. }
+        | Step::RecvReduceSend { src, .. }
+        | Step::RecvReduceCopy { src, .. }
+        | Step::RecvReduceCopySend { src, .. }
+        | Step::Copy { src, .. } => src.op,
+        Step::Reduce { dst, .. } => dst.op,
+    }
+}
+
+/// The peers the unfinished lanes are waiting on: for each lane's current step, the
+/// peer it receives from when nothing from it is ready, and the peer it sends to when
+/// there is no room towards it. A step blocked on one side does not wait on the other:
+/// a peer that sent all it had to and then left (its call done, its communicator
+/// destroyed) is no failure while this rank waits for room towards a third.
+fn blocked_peers(
+    plan: &Plan,
+    lanes: &[LaneState],
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+) -> Vec<usize> {
+    let mut peers = Vec::new();
+    for (lane, st) in plan.lanes.iter().zip(lanes) {
+        let Some(step) = lane.steps.get(st.step).filter(|s| !s.is_local()) else {
+            continue;
+        };
+        let (to, from) = (step.send_to(), step.recv_from());
+        let (send, recv) = conns.ends(lane.channel, ops[op_of(step)].protocol, to, from);
+        if let (Some(p), Some(r)) = (from, recv)
+            && r.try_peek().is_none()
+        {
+            peers.push(p);
+        }
+        if let (Some(p), Some(s)) = (to, send)
+            && s.try_reserve().is_none()
+        {
+            peers.push(p);
+        }
+    }
     peers.sort_unstable();
     peers.dedup();
     peers
@@ -439,17 +473,7 @@ unsafe fn advance(
         }
         let (to, from) = (step.send_to(), step.recv_from());
         // Elements per slice: every region of a step belongs to the same operation.
-        let op_index = match *step {
-            Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => dst.op,
-            Step::Send { src, .. }
-            | Step::CopySend { src, .. }
-            | Step::RecvReduceSend { src, .. }
-            | Step::RecvReduceCopy { src, .. }
-            | Step::RecvReduceCopySend { src, .. }
-            | Step::Copy { src, .. } => src.op,
-            Step::Reduce { .. } => unreachable!("local steps are not sliced"),
-        };
-        let op = ops[op_index];
+        let op = ops[op_of(step)];
         let elem = op.kernel.dtype().size();
         let per_slice = conns.slice_bytes(op.protocol) / elem;
         if let Some(p) = from {
