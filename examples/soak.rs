@@ -11,9 +11,10 @@
 //! communicator, a few collectives of every kind (all-reduce, broadcast, all-gather,
 //! reduce-scatter, all-to-all, a send/recv ring) of 1 B to 4 MiB, each result checked;
 //! then a split into two or three groups that run more of them, where with probability
-//! 1/3 one member aborts its sub-communicator mid-way (the others' call fails, or
-//! completes with checked data if it needed nothing from that rank). Sub-communicators
-//! are dropped at the end of every epoch.
+//! 1/3 one member aborts its sub-communicator mid-way: the others' calls fail blaming
+//! it (a member still in an earlier call may hear of the abort first), or complete with
+//! checked data if they needed nothing from that rank. Sub-communicators are dropped at
+//! the end of every epoch.
 //!
 //! Every 10 s each rank prints a sample line; the parent prints, per minute, the
 //! largest RSS and fd count over the ranks and `/dev/shm` use, then the first and last
@@ -264,18 +265,33 @@ fn rank_main(rank: usize) {
                     s.aborts += 1;
                     break;
                 }
-                Some((_, at)) if at == call => {
-                    // The others' call fails (naming the abort), or completes if it
-                    // needed nothing from the aborted rank; its data is checked either
-                    // way. The group is done for this epoch.
-                    let _ = mixed_call(&sub, &mut group_rng);
+                Some((who, at)) if at == call => {
+                    // The others' call fails blaming the aborted rank, or completes
+                    // (data checked) if it needed nothing from it. The group is done
+                    // for this epoch.
+                    if let Err(e) = mixed_call(&sub, &mut group_rng)
+                        && e.blamed_rank() != members.iter().position(|&m| m == who)
+                    {
+                        fail(format!(
+                            "after rank {who} aborted, an error blaming another: {e}"
+                        ));
+                    }
                     break;
                 }
-                _ => {
-                    mixed_call(&sub, &mut group_rng)
-                        .unwrap_or_else(|e| fail(format!("sub-communicator: {e}")));
-                    s.calls += 1;
-                }
+                _ => match mixed_call(&sub, &mut group_rng) {
+                    Ok(()) => s.calls += 1,
+                    // A member still in an earlier call may learn of the abort first:
+                    // an abort ends the communicator for all, and its news spreads.
+                    // Its call then fails blaming the aborting rank, never another.
+                    Err(e)
+                        if mine.is_some_and(|(who, _)| {
+                            e.blamed_rank() == members.iter().position(|&m| m == who)
+                        }) =>
+                    {
+                        break;
+                    }
+                    Err(e) => fail(format!("sub-communicator: {e}")),
+                },
             }
         }
         drop(sub);
