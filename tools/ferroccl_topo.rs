@@ -5,6 +5,7 @@
 //!                                                # the RDMA device ranks would use
 //! ferroccl-topo --hosts 4 --ranks-per-host 2     # plus the rings and double binary tree
 //! ferroccl-topo --json                           # the same as JSON
+//! ferroccl-topo --completions bash               # the shell's completion script
 //! ```
 //!
 //! A running job writes its own (actual ranks and addresses) with
@@ -12,9 +13,50 @@
 
 use std::process::ExitCode;
 
+use clap::{CommandFactory, Parser};
+use clap_complete::Shell;
 use ferroccl::plan::PlanOptions;
 use ferroccl::plan::tree::RankTree;
 use ferroccl::topo::HostTopology;
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferroccl-topo",
+    version,
+    about = "Prints this host's topology, and the rings and trees a job would use.",
+    after_help = "A running job writes its own (actual ranks and addresses) with \
+                  FERROCCL_TOPO_DUMP_FILE=FILE."
+)]
+struct Cli {
+    /// Print everything as JSON.
+    #[arg(long)]
+    json: bool,
+
+    /// Also print the rings and double binary tree of a job on this many hosts.
+    #[arg(long, value_name = "H", value_parser = positive)]
+    hosts: Option<usize>,
+
+    /// Ranks on each of those hosts.
+    #[arg(long, value_name = "K", default_value_t = 1, value_parser = positive)]
+    ranks_per_host: usize,
+
+    /// Channels (rings) of that job.
+    #[arg(long, value_name = "C", default_value_t = 2, value_parser = positive)]
+    channels: usize,
+
+    /// Print the completion script for SHELL on stdout and exit.
+    #[arg(long, value_name = "SHELL", exclusive = true)]
+    completions: Option<Shell>,
+}
+
+/// Reads a positive whole number.
+fn positive(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("not a positive whole number".into()),
+    }
+}
 
 /// The network ranks of this host would use, as JSON.
 fn network_json() -> serde_json::Value {
@@ -33,38 +75,14 @@ fn network_json() -> serde_json::Value {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut json = false;
-    let (mut hosts, mut per_host, mut channels) = (None, 1usize, 2usize);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut num = |name: &str| -> Result<usize, String> {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .filter(|&v: &usize| v > 0)
-                .ok_or(format!("{name} needs a positive number"))
-        };
-        let r = match a.as_str() {
-            "--json" => {
-                json = true;
-                Ok(())
-            }
-            "--hosts" => num("--hosts").map(|v| hosts = Some(v)),
-            "--ranks-per-host" => num("--ranks-per-host").map(|v| per_host = v),
-            "--channels" => num("--channels").map(|v| channels = v),
-            "-h" | "--help" => {
-                println!(
-                    "usage: ferroccl-topo [--json] [--hosts H [--ranks-per-host K] [--channels C]]"
-                );
-                return ExitCode::SUCCESS;
-            }
-            other => Err(format!("unknown option {other}")),
-        };
-        if let Err(e) = r {
-            eprintln!("ferroccl-topo: {e}");
-            return ExitCode::from(2);
-        }
+    // Help and the version on stdout with status 0; mistakes on stderr with 2.
+    let cli = Cli::parse();
+    if let Some(shell) = cli.completions {
+        let mut cmd = Cli::command();
+        clap_complete::generate(shell, &mut cmd, "ferroccl-topo", &mut std::io::stdout());
+        return ExitCode::SUCCESS;
     }
+    let (json, hosts, per_host, channels) = (cli.json, cli.hosts, cli.ranks_per_host, cli.channels);
     let host = HostTopology::detect();
     let labels: Option<Vec<usize>> =
         hosts.map(|h| (0..h * per_host).map(|r| r / per_host).collect());
@@ -170,4 +188,14 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
 }

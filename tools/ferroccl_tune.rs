@@ -3,6 +3,7 @@
 //! ```text
 //! ferrorun --nproc-per-node 2 -- ferroccl-tune measure   # (or under srun/mpirun, or across hosts)
 //! ferroccl-tune predict --ranks 4 --hosts 4 [--net 30,1.25] [--local 1,10] [--local-ll 0.8,3]
+//! ferroccl-tune --completions bash                       # the shell's completion script
 //! ```
 //!
 //! `measure` times a ping-pong between rank 0 and each other rank, once per protocol
@@ -15,21 +16,95 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::error::ErrorKind;
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap_complete::Shell;
 use ferroccl::Communicator;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::transport::Protocol;
 use ferroccl::tune::{Choice, CostModel, LinkCost, Shape};
 
-const USAGE: &str = "usage: ferroccl-tune measure            (as every rank of a job)\n       ferroccl-tune predict --ranks N --hosts H [--net ALPHA_US,GBPS] [--local ALPHA_US,GBPS] [--local-ll ALPHA_US,GBPS]\n";
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferroccl-tune",
+    version,
+    about = "Measures the cost model's parameters, or shows its predictions."
+)]
+struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    /// Print the completion script for SHELL on stdout and exit.
+    #[arg(long, value_name = "SHELL", exclusive = true)]
+    completions: Option<Shell>,
+}
+
+/// `ferroccl-tune`'s subcommands.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Time ping-pongs between rank 0 and every other rank (run as every rank of a job,
+    /// e.g. under ferrorun) and print the FERROCCL_TUNE_* settings to use.
+    Measure,
+    /// Print the model's all-reduce times, its picks and its crossovers for a job's shape
+    /// (the link costs default to FERROCCL_TUNE_LOCAL, FERROCCL_TUNE_LOCAL_LL and
+    /// FERROCCL_TUNE_NET, else to built-in values).
+    Predict(PredictArgs),
+}
+
+/// `predict`'s options.
+#[derive(Debug, Args)]
+struct PredictArgs {
+    /// Ranks in the job.
+    #[arg(long, value_name = "N")]
+    ranks: usize,
+
+    /// Hosts the ranks are spread over evenly (clamped to 1..=N).
+    #[arg(long, value_name = "H", default_value_t = 1)]
+    hosts: usize,
+
+    /// The network link: latency in microseconds, bandwidth in GB/s.
+    #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
+    net: Option<LinkCost>,
+
+    /// The link between ranks on one host, with the Simple protocol.
+    #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
+    local: Option<LinkCost>,
+
+    /// The link between ranks on one host, with the LL protocol.
+    #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
+    local_ll: Option<LinkCost>,
+}
+
+/// Reads a link's `alpha_us,gbps`.
+fn link(text: &str) -> Result<LinkCost, String> {
+    LinkCost::parse("", text).map_err(|_| {
+        "not ALPHA_US,GBPS (latency in microseconds, bandwidth in GB/s; positive numbers, \
+         e.g. 30,1.25)"
+            .to_string()
+    })
+}
 
 fn main() -> ExitCode {
     ferroccl::trace::init_from_env();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("measure") => measure(),
-        Some("predict") => predict(&args[1..]),
-        _ => Err(format!("expected `measure` or `predict`\n{USAGE}")),
+    // Help and the version on stdout with status 0; mistakes on stderr with 2.
+    let cli = Cli::try_parse().unwrap_or_else(|e| e.exit());
+    let result = match (cli.completions, cli.command) {
+        (Some(shell), _) => {
+            let mut cmd = Cli::command();
+            clap_complete::generate(shell, &mut cmd, "ferroccl-tune", &mut std::io::stdout());
+            Ok(())
+        }
+        (None, Some(Command::Measure)) => measure(),
+        (None, Some(Command::Predict(args))) => predict(args),
+        (None, None) => Cli::command()
+            .error(
+                ErrorKind::MissingSubcommand,
+                "expected `measure` or `predict`",
+            )
+            .exit(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -40,24 +115,19 @@ fn main() -> ExitCode {
     }
 }
 
-fn predict(args: &[String]) -> Result<(), String> {
+fn predict(args: PredictArgs) -> Result<(), String> {
     let mut model = CostModel::from_env().map_err(|e| e.to_string())?;
-    let (mut ranks, mut hosts) = (None, None);
-    let mut it = args.iter();
-    let link = |flag: &str, value: &str| LinkCost::parse(flag, value).map_err(|e| e.to_string());
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or(format!("{flag} needs a value\n{USAGE}"))?;
-        match flag.as_str() {
-            "--ranks" => ranks = Some(value.parse::<usize>().map_err(|_| "--ranks: a number")?),
-            "--hosts" => hosts = Some(value.parse::<usize>().map_err(|_| "--hosts: a number")?),
-            "--net" => model.net = link(flag, value)?,
-            "--local" => model.local = link(flag, value)?,
-            "--local-ll" => model.local_ll = link(flag, value)?,
-            other => return Err(format!("unknown option {other}\n{USAGE}")),
+    for (cost, given) in [
+        (&mut model.net, args.net),
+        (&mut model.local, args.local),
+        (&mut model.local_ll, args.local_ll),
+    ] {
+        if let Some(given) = given {
+            *cost = given;
         }
     }
-    let ranks = ranks.ok_or(format!("--ranks is required\n{USAGE}"))?;
-    let hosts = hosts.unwrap_or(1).clamp(1, ranks.max(1));
+    let ranks = args.ranks;
+    let hosts = args.hosts.clamp(1, ranks.max(1));
     let shape = Shape::even(ranks, hosts);
     let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
     println!(
@@ -214,4 +284,33 @@ fn measure() -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn predict_reads_its_links() {
+        let cli = Cli::try_parse_from([
+            "ferroccl-tune",
+            "predict",
+            "--ranks",
+            "8",
+            "--local-ll",
+            "0.8,3",
+        ])
+        .unwrap();
+        let Some(Command::Predict(p)) = cli.command else {
+            panic!("{cli:?}")
+        };
+        assert_eq!((p.ranks, p.hosts), (8, 1));
+        assert_eq!(p.local_ll, Some(LinkCost::new(0.8, 3.0)));
+        assert_eq!((p.net, p.local), (None, None));
+    }
 }

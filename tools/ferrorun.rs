@@ -4,6 +4,7 @@
 //! ferrorun --nproc-per-node 4 -- ./my_program args…
 //! ferrorun --nproc-per-node 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 \
 //!          --master-port 29500 -- ./my_program
+//! ferrorun --completions bash > /etc/bash_completion.d/ferrorun
 //! ```
 //!
 //! Each rank gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -14,111 +15,183 @@
 //! `[rankN]: `. SIGINT, SIGTERM and SIGHUP are forwarded to every rank. When a rank fails,
 //! the others are stopped (SIGTERM, then SIGKILL after the grace period) and ferrorun
 //! exits non-zero, naming the rank and its exit status or signal.
+//!
+//! The options are read only up to the program's name: everything from there on (or
+//! after `--`) is the program's command line, untouched. Like torchrun, every option
+//! may be spelt with underscores too (`--nproc_per_node`).
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
+use clap_complete::Shell;
 use ferroccl::launch::{self, CpuBind, LocalJob};
 
-const USAGE: &str = "\
-usage: ferrorun [OPTIONS] [--] PROGRAM [ARGS...]
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferrorun",
+    version,
+    about = "Starts the local ranks of a job, like torchrun.",
+    override_usage = "ferrorun [OPTIONS] [--] PROGRAM [ARGS]...\n       \
+                      ferrorun --completions <SHELL>",
+    after_help = "Everything from PROGRAM on (or after `--`) is passed to the program \
+                  untouched. Each option may also be spelt with underscores \
+                  (--nproc_per_node), as torchrun allows."
+)]
+struct Cli {
+    /// Ranks to start on this node.
+    #[arg(long, alias = "nproc_per_node", value_name = "N", default_value_t = 1,
+          value_parser = at_least_one)]
+    nproc_per_node: usize,
 
-Starts the local ranks of a job, like torchrun.
+    /// Number of nodes in the job.
+    #[arg(long, value_name = "M", default_value_t = 1,
+          value_parser = at_least_one)]
+    nnodes: usize,
 
-options:
-  --nproc-per-node N   ranks to start on this node (default 1)
-  --nnodes M           number of nodes in the job (default 1)
-  --node-rank K        this node's index in 0..M (default 0)
-  --master-addr A      host of node 0, where the store runs (default 127.0.0.1)
-  --master-port P      port of the store (default: a free port with one node, else 29500)
-  --grace-period S     seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
-  --no-prefix          do not prefix output lines with [rankN]:
-  --bind auto|core|none  bind each rank to a CPU of its own: auto (default, or
-                       FERROCCL_CPU_BIND) when there are enough CPUs, core always,
-                       none never
-  -h, --help           print this help
-";
+    /// This node's index in 0..M.
+    #[arg(long, alias = "node_rank", value_name = "K", default_value_t = 0)]
+    node_rank: usize,
 
-/// Reads the command line into the job to launch (`None`: print the help).
-fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<LocalJob>, String> {
-    let mut args = LocalJob::single_node("ferrorun", Vec::new(), 1);
-    args.bind = CpuBind::from_env().map_err(|e| e.to_string())?;
-    fn value<T: std::str::FromStr>(
-        flag: &str,
-        inline: Option<String>,
-        argv: &mut impl Iterator<Item = String>,
-    ) -> Result<T, String> {
-        let text = inline
-            .or_else(|| argv.next())
-            .ok_or_else(|| format!("{flag} needs a value"))?;
-        text.parse()
-            .map_err(|_| format!("{flag}: {text:?} is not a valid value"))
-    }
-    while let Some(arg) = argv.next() {
-        if arg == "--" {
-            args.program.extend(argv);
-            break;
+    /// Host of node 0, where the store runs.
+    #[arg(
+        long,
+        alias = "master_addr",
+        value_name = "ADDR",
+        default_value = "127.0.0.1"
+    )]
+    master_addr: String,
+
+    /// Port of the store [default: a free port with one node, else 29500].
+    #[arg(long, alias = "master_port", value_name = "PORT")]
+    master_port: Option<u16>,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, alias = "grace_period", value_name = "SECONDS", default_value = "5",
+          allow_negative_numbers = true, value_parser = seconds)]
+    grace_period: Duration,
+
+    /// Do not prefix output lines with `[rankN]: `.
+    #[arg(long, alias = "no_prefix")]
+    no_prefix: bool,
+
+    /// Bind each rank to a CPU of its own: auto when there are enough CPUs, core always,
+    /// none never [default: FERROCCL_CPU_BIND, else auto].
+    #[arg(long, value_name = "MODE")]
+    bind: Option<Bind>,
+
+    /// Print the completion script for SHELL on stdout and exit.
+    #[arg(long, value_name = "SHELL")]
+    completions: Option<Shell>,
+
+    /// The program to start as every rank, and its arguments.
+    #[arg(value_name = "PROGRAM", trailing_var_arg = true, num_args = 1..)]
+    program: Vec<String>,
+}
+
+/// `--bind`'s values (those of [`CpuBind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Bind {
+    /// Bind when there are at least as many CPUs as local ranks.
+    Auto,
+    /// Bind local rank i to the i-th CPU (an error when ranks outnumber CPUs).
+    Core,
+    /// Never bind.
+    None,
+}
+
+impl From<Bind> for CpuBind {
+    fn from(b: Bind) -> Self {
+        match b {
+            Bind::Auto => CpuBind::Auto,
+            Bind::Core => CpuBind::Core,
+            Bind::None => CpuBind::None,
         }
-        if !arg.starts_with('-') {
-            args.program.push(arg);
-            args.program.extend(argv);
-            break;
-        }
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) => (f.to_string(), Some(v.to_string())),
-            None => (arg.clone(), None),
-        };
-        match flag.replace('_', "-").as_str() {
-            "--nproc-per-node" => args.nproc_per_node = value(&flag, inline, &mut argv)?,
-            "--nnodes" => args.nnodes = value(&flag, inline, &mut argv)?,
-            "--node-rank" => args.node_rank = value(&flag, inline, &mut argv)?,
-            "--master-addr" => args.master_addr = value(&flag, inline, &mut argv)?,
-            "--master-port" => args.master_port = Some(value(&flag, inline, &mut argv)?),
-            "--grace-period" => {
-                let secs: f64 = value(&flag, inline, &mut argv)?;
-                if !(secs.is_finite() && secs >= 0.0) {
-                    return Err(format!("{flag}: {secs} is not a number of seconds"));
-                }
-                args.grace = Duration::from_secs_f64(secs);
-            }
-            "--no-prefix" => args.prefix = false,
-            "--bind" => {
-                let text: String = value(&flag, inline, &mut argv)?;
-                args.bind = CpuBind::parse(&text).map_err(|e| format!("{flag}: {e}"))?;
-            }
-            "-h" | "--help" => return Ok(None),
-            _ => return Err(format!("unknown option {arg:?}")),
-        }
     }
-    if args.program.is_empty() {
-        return Err("no program to run".into());
+}
+
+/// Reads `--nproc-per-node` and `--nnodes`: a whole number, at least 1.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
-    if args.nproc_per_node == 0 {
-        return Err("--nproc-per-node must be at least 1".into());
+}
+
+/// Reads `--grace-period`: a finite, non-negative number of seconds.
+fn seconds(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err("not a number of seconds".into()),
     }
-    if args.nnodes == 0 {
-        return Err("--nnodes must be at least 1".into());
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+enum Action {
+    /// Launch this job.
+    Run(LocalJob),
+    /// Print the completion script for this shell.
+    Completions(Shell),
+}
+
+/// Reads the command line (without ferrorun's own name) into what to do. Help, the
+/// version and every mistake come back as clap's error, ready to print.
+fn parse_args<T: Into<OsString>>(argv: impl IntoIterator<Item = T>) -> Result<Action, clap::Error> {
+    let argv = argv.into_iter().map(Into::into);
+    let cli = Cli::try_parse_from(std::iter::once(OsString::from("ferrorun")).chain(argv))?;
+    if let Some(shell) = cli.completions {
+        return Ok(Action::Completions(shell));
     }
-    if args.node_rank >= args.nnodes {
-        return Err(format!(
-            "--node-rank {} is not below --nnodes {}",
-            args.node_rank, args.nnodes
+    let error = |kind, message: String| Cli::command().error(kind, message);
+    let mut job = LocalJob::single_node("ferrorun", cli.program, cli.nproc_per_node);
+    if job.program.is_empty() {
+        return Err(error(
+            ErrorKind::MissingRequiredArgument,
+            "no program to run".into(),
         ));
     }
-    Ok(Some(args))
+    if cli.node_rank >= cli.nnodes {
+        return Err(error(
+            ErrorKind::ValueValidation,
+            format!(
+                "--node-rank {} is not below --nnodes {}",
+                cli.node_rank, cli.nnodes
+            ),
+        ));
+    }
+    // FERROCCL_CPU_BIND is read (and a bad value refused) even when --bind overrides it.
+    job.bind = CpuBind::from_env().map_err(|e| error(ErrorKind::InvalidValue, e.to_string()))?;
+    if let Some(bind) = cli.bind {
+        job.bind = bind.into();
+    }
+    job.nnodes = cli.nnodes;
+    job.node_rank = cli.node_rank;
+    job.master_addr = cli.master_addr;
+    job.master_port = cli.master_port;
+    job.grace = cli.grace_period;
+    job.prefix = !cli.no_prefix;
+    Ok(Action::Run(job))
 }
 
 fn main() -> ExitCode {
-    let job = match parse_args(std::env::args().skip(1)) {
-        Ok(Some(job)) => job,
-        Ok(None) => {
-            print!("{USAGE}");
+    let job = match parse_args(std::env::args_os().skip(1)) {
+        Ok(Action::Run(job)) => job,
+        Ok(Action::Completions(shell)) => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "ferrorun",
+                &mut std::io::stdout(),
+            );
             return ExitCode::SUCCESS;
         }
-        Err(e) => {
-            eprintln!("ferrorun: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        // Help and the version on stdout with status 0; mistakes on stderr with 2.
+        Err(e) => e.exit(),
     };
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code),
@@ -136,8 +209,13 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
     use std::process::ExitStatus;
 
-    fn parse(words: &[&str]) -> Result<Option<LocalJob>, String> {
-        parse_args(words.iter().map(|s| s.to_string()))
+    /// The job, or the error's text.
+    fn parse(words: &[&str]) -> Result<LocalJob, String> {
+        match parse_args(words.iter().copied()) {
+            Ok(Action::Run(job)) => Ok(job),
+            Ok(Action::Completions(shell)) => Err(format!("completions for {shell}")),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     #[test]
@@ -152,22 +230,84 @@ mod tests {
             "prog",
             "-x",
         ])
-        .unwrap()
         .unwrap();
         assert_eq!((a.nproc_per_node, a.nnodes, a.node_rank), (4, 2, 1));
         assert_eq!(a.master_port, Some(9));
         assert_eq!(a.program, ["prog", "-x"]);
-        let a = parse(&["--", "--weird-program"]).unwrap().unwrap();
+        let a = parse(&["--", "--weird-program"]).unwrap();
         assert_eq!(a.program, ["--weird-program"]);
+        let a = parse(&[
+            "--master_addr",
+            "10.0.0.1",
+            "--grace_period",
+            "0.5",
+            "--no_prefix",
+            "p",
+        ])
+        .unwrap();
+        assert_eq!(a.master_addr, "10.0.0.1");
+        assert_eq!(a.grace, Duration::from_millis(500));
+        assert!(!a.prefix);
+        let a = parse(&["--bind", "none", "p"]).unwrap();
+        assert_eq!(a.bind, CpuBind::None);
+    }
+
+    #[test]
+    fn everything_from_the_program_on_is_the_programs() {
+        // ferrorun's own flags, `--`, --help and --completions after the program's name
+        // all belong to the program.
+        let a = parse(&[
+            "--nproc-per-node",
+            "2",
+            "prog",
+            "--nproc-per-node",
+            "3",
+            "--",
+            "-h",
+            "--completions",
+            "bash",
+        ])
+        .unwrap();
+        assert_eq!(a.nproc_per_node, 2);
+        assert_eq!(
+            a.program,
+            [
+                "prog",
+                "--nproc-per-node",
+                "3",
+                "--",
+                "-h",
+                "--completions",
+                "bash"
+            ]
+        );
+        let a = parse(&["--", "prog", "--", "x"]).unwrap();
+        assert_eq!(a.program, ["prog", "--", "x"]);
+        assert_eq!(
+            parse(&["--completions", "bash"]).unwrap_err(),
+            "completions for bash"
+        );
     }
 
     #[test]
     fn bad_command_lines_say_what_is_wrong() {
+        let err = parse(&["--nproc-per-node", "x", "p"]).unwrap_err();
         assert!(
-            parse(&["--nproc-per-node", "x", "p"])
-                .unwrap_err()
-                .contains("\"x\"")
+            err.contains("'x'") && err.contains("--nproc-per-node"),
+            "{err}"
         );
+        let err = parse(&["--nproc-per-node", "0", "p"]).unwrap_err();
+        assert!(
+            err.contains("'0'") && err.contains("--nproc-per-node"),
+            "{err}"
+        );
+        let err = parse(&["--grace-period", "-1", "p"]).unwrap_err();
+        assert!(
+            err.contains("--grace-period") && err.contains("seconds"),
+            "{err}"
+        );
+        let err = parse(&["--bind", "socket", "p"]).unwrap_err();
+        assert!(err.contains("--bind") && err.contains("core"), "{err}");
         assert!(
             parse(&["--node-rank", "2", "--nnodes", "2", "p"])
                 .unwrap_err()
@@ -179,7 +319,19 @@ mod tests {
                 .contains("no program")
         );
         assert!(parse(&["--bogus", "p"]).unwrap_err().contains("--bogus"));
-        assert!(parse(&["-h"]).unwrap().is_none());
+        let err = parse(&["--nproc-per-nod", "2", "p"]).unwrap_err();
+        assert!(
+            err.contains("--nproc-per-nod'") && err.contains("--nproc-per-node"),
+            "{err}"
+        );
+        let help = parse_args(["-h"]).unwrap_err();
+        assert_eq!(help.kind(), ErrorKind::DisplayHelp);
+        assert!(!help.use_stderr());
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
     }
 
     #[test]

@@ -1,6 +1,13 @@
 //! The perf tools' command line: nccl-tests' flags with nccl-tests' meanings, plus a few
 //! of ferroccl's own.
 
+// Parsed by hand, not with clap as ferrorun and the ferroccl-* tools are: command lines
+// written for nccl-tests must work unchanged, and `-np N` (a single-dash flag of two
+// letters, spelt like mpirun's) cannot be a clap flag: clap's short flags are one
+// character, so it would read `-np 4` as `-n` with the value `p`, then a stray `4`.
+// (The getopt value forms used here, `-b 8`, `-b8`, `--minbytes=8`, `-r -1`, clap could
+// take; `-np` is what rules it out.)
+
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
