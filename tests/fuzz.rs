@@ -1,8 +1,9 @@
 //! Property-based fuzzing of the parsers that read bytes or text from outside the
 //! process: the store's wire protocol (requests as the server reads them), bootstrap
 //! payloads (`PeerInfo`), `UniqueId` bytes, rank 0's cost model and settings, topology
-//! JSON, the perf tools' command lines, and with the `rdma` feature the RDMA endpoints
-//! and `NCCL_IB_HCA`. Inputs are random bytes and mutations of valid encodings (a few
+//! JSON, the perf tools' command lines, the store client's reading of replies from a
+//! hostile server, the C ABI's arguments, and with the `rdma` feature the RDMA
+//! endpoints and `NCCL_IB_HCA`. Inputs are random bytes and mutations of valid encodings (a few
 //! bytes flipped, the message cut short or extended), so that they reach past the first
 //! length check.
 //!
@@ -425,3 +426,190 @@ fn rdma_endpoints_and_hca_lists() {
         Ok(())
     });
 }
+
+/// One reply field a store server sends: a byte, an integer, or a length-prefixed string.
+fn reply_fields() -> impl Strategy<Value = Vec<u8>> {
+    let field = prop_oneof![
+        any::<u8>().prop_map(|b| vec![b]),
+        (0u8..3).prop_map(|b| vec![b]),
+        any::<i64>().prop_map(|v| v.to_le_bytes().to_vec()),
+        (0i64..4).prop_map(|v| v.to_le_bytes().to_vec()),
+        prop::collection::vec(any::<u8>(), 0..12).prop_map(|v| {
+            let mut out = (v.len() as u64).to_le_bytes().to_vec();
+            out.extend(v);
+            out
+        }),
+        // A length announcing far more than follows.
+        prop_oneof![Just(1u64 << 29), Just(u64::MAX), Just(1u64 << 40)]
+            .prop_map(|n| n.to_le_bytes().to_vec()),
+    ];
+    prop::collection::vec(field, 0..5).prop_map(|fs| fs.concat())
+}
+
+#[test]
+fn store_client_against_a_hostile_server() {
+    use ferroccl::store::{Store, TcpStore, TcpStoreOptions};
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::time::Duration;
+    // For each case, a server that answers the client's handshake properly, then
+    // replies to its next request with the case's bytes and hangs up.
+    let serve = |reply: Vec<u8>| {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
+            let mut hello = [0u8; 10];
+            if s.read_exact(&mut hello).is_err() {
+                return;
+            }
+            let _ = s.write_all(&std::process::id().to_le_bytes());
+            let mut request = [0u8; 4096];
+            let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+            let _ = s.read(&mut request);
+            let _ = s.write_all(&reply);
+        });
+        (addr, server)
+    };
+    let ops = 0u8..10;
+    fuzz(
+        "store client replies",
+        (ops, bytes_or_mutation(reply_fields())),
+        |(op, reply)| {
+            let (addr, server) = serve(reply.clone());
+            let options = TcpStoreOptions {
+                timeout: Duration::from_secs(2),
+                connect_timeout: Duration::from_secs(2),
+                secret: None,
+            };
+            let client = TcpStore::connect(&addr, options)
+                .map_err(|e| TestCaseError::fail(format!("the handshake itself failed: {e}")))?;
+            let start = std::time::Instant::now();
+            let (_, bytes) = allocated_by(|| {
+                let _ = match op {
+                    0 => client.get("k").map(drop),
+                    1 => client.add("k", 1).map(drop),
+                    2 => client.check(&["k", "j"]).map(drop),
+                    3 => client.compare_set("k", b"a", b"b").map(drop),
+                    4 => client.num_keys().map(drop),
+                    5 => client.multi_get(&["k", "j"]).map(drop),
+                    6 => client.delete("k").map(drop),
+                    7 => client.queue_pop("q", false).map(drop),
+                    8 => client.queue_len("q").map(drop),
+                    _ => client.wait(&["k"], Duration::from_millis(50)),
+                };
+            });
+            prop_assert!(
+                bytes <= 64 * reply.len() + (256 << 10),
+                "op {op}: {bytes} bytes allocated for a {}-byte reply",
+                reply.len()
+            );
+            // The server hung up after its reply: the client never waits out its timeout
+            // for bytes that cannot come.
+            prop_assert!(
+                start.elapsed() < Duration::from_secs(1),
+                "op {op} took {:?}",
+                start.elapsed()
+            );
+            drop(client);
+            server.join().unwrap();
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn c_abi_arguments() {
+    use ferroccl::capi::*;
+    use std::ffi::{c_int, c_void};
+    // A live 1-rank communicator; calls get random counts, datatypes, ops, roots and
+    // peers, and buffers that may be NULL. Invalid ones must be refused with
+    // ncclInvalidArgument (never a crash); valid ones must work.
+    let mut comm: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer, 1 rank, NULL device list.
+    assert_eq!(
+        unsafe { ncclCommInitAll(&mut comm, 1, std::ptr::null()) },
+        SUCCESS
+    );
+    let comm = comm as usize;
+    let mut buf = vec![0u8; 2 * HALF];
+    let base = buf.as_mut_ptr() as usize;
+    fuzz(
+        "C ABI arguments",
+        (
+            0u8..6,
+            prop_oneof![0usize..64, Just(usize::MAX), Just(usize::MAX / 2)],
+            prop_oneof![0 as c_int..13, any::<c_int>()],
+            prop_oneof![0 as c_int..6, any::<c_int>()],
+            prop_oneof![0 as c_int..2, any::<c_int>()],
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        |(call, count, dtype, op, peer, null_buf, null_comm)| {
+            // Send from the first half of the buffer, receive into the second.
+            let (p, q) = if null_buf {
+                (std::ptr::null_mut(), std::ptr::null_mut())
+            } else {
+                (base as *mut c_void, (base + HALF) as *mut c_void)
+            };
+            let c = if null_comm { 0 } else { comm } as *mut c_void;
+            let known_dtype = (0..12).contains(&dtype);
+            let elem = if known_dtype {
+                [1usize, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1][dtype as usize]
+            } else {
+                1
+            };
+            // The library cannot know how long a buffer is: counts the half-buffers
+            // cannot hold are not tried with real buffers.
+            let fits = count.checked_mul(elem).is_some_and(|b| b <= HALF);
+            if !fits && !null_buf {
+                return Ok(());
+            }
+            let s = std::ptr::null_mut();
+            // SAFETY: every pointer is NULL or inside the live buffer, with room for
+            // `count` elements of the datatype when the datatype is known.
+            let r = unsafe {
+                match call {
+                    0 => ncclAllReduce(p, q, count, dtype, op, c, s),
+                    1 => ncclBroadcast(p, q, count, dtype, peer, c, s),
+                    2 => ncclReduce(p, q, count, dtype, op, peer, c, s),
+                    3 => ncclAllGather(p, q, count, dtype, c, s),
+                    4 => ncclReduceScatter(p, q, count, dtype, op, c, s),
+                    _ => ncclAlltoAll(p, q, count, dtype, c, s),
+                }
+            };
+            let reduces = matches!(call, 0 | 2 | 4);
+            let valid = !null_comm
+                && known_dtype
+                && (!reduces || (0..5).contains(&op))
+                && (!matches!(call, 1 | 2) || peer == 0)
+                && (!null_buf || count == 0);
+            if valid {
+                prop_assert_eq!(
+                    r,
+                    SUCCESS,
+                    "call {} count {} dtype {} op {} refused",
+                    call,
+                    count,
+                    dtype,
+                    op
+                );
+            } else {
+                prop_assert!(
+                    r != SUCCESS,
+                    "call {call} count {count} dtype {dtype} op {op} peer {peer} null \
+                     buffer {null_buf} null comm {null_comm}: accepted"
+                );
+            }
+            Ok(())
+        },
+    );
+    drop(buf);
+    // SAFETY: the live communicator, destroyed once.
+    assert_eq!(unsafe { ncclCommDestroy(comm as *mut c_void) }, SUCCESS);
+}
+
+/// Bytes of each half of the C ABI target's buffer.
+const HALF: usize = 2048;

@@ -391,8 +391,16 @@ pub trait ReadWire: Read {
                 format!("server sent a value of {n} bytes, above the limit of {max}"),
             ));
         }
-        let mut v = vec![0u8; n as usize];
-        self.read_exact(&mut v)?;
+        // Grow with what arrives: a server that announces a huge value and sends
+        // nothing must not make the client allocate it.
+        let mut v = Vec::with_capacity((n as usize).min(64 << 10));
+        self.take(n).read_to_end(&mut v)?;
+        if v.len() as u64 != n {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("server announced {n} bytes and sent {}", v.len()),
+            ));
+        }
         Ok(v)
     }
 }
