@@ -84,6 +84,8 @@ struct CachedPlan {
     choice: Choice,
     /// [`Plan::scratch_elems`] of its operation.
     scratch_elems: usize,
+    /// Whether the FIFOs it needs are made (after its first call).
+    connected: bool,
 }
 
 /// What a single-operation plan depends on besides the communicator.
@@ -1127,7 +1129,21 @@ impl Communicator {
         // (the communicator's buffer, which nothing else touches or resizes until the
         // call returns); the plan's regions stay inside them because the plan was made
         // from the same counts.
-        let result = unsafe { engine::execute(plan, ops, &mut st.conns, &call) };
+        // The first call of a plan makes the FIFOs it needs beyond the rings'.
+        let connected = fused.is_none() && st.last_plan.as_ref().is_some_and(|c| c.connected);
+        let result = if connected {
+            Ok(())
+        } else {
+            engine::connect_for(plan, ops, &mut st.conns, &call)
+        };
+        let result =
+            result.and_then(|()| unsafe { engine::execute(plan, ops, &mut st.conns, &call) });
+        if result.is_ok()
+            && fused.is_none()
+            && let Some(c) = st.last_plan.as_mut()
+        {
+            c.connected = true;
+        }
         if st.scratch.len() > KEPT_SCRATCH_WORDS {
             st.scratch = Vec::new();
         }
@@ -1194,6 +1210,7 @@ impl Communicator {
                 scratch_elems: plan.scratch_elems(0),
                 plan,
                 choice,
+                connected: false,
             });
         }
         Ok(last_plan.as_ref().expect("planned above"))

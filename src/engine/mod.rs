@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::transport::bell::Closed;
+use crate::transport::lazy::{ConnectingCall, FifoNeed};
 use crate::transport::{Connections, PeerState, Protocol};
 
 /// Sweeps without progress spent spinning, then yielding, before sleeping, when every
@@ -156,6 +157,50 @@ pub unsafe fn execute(
     conns.stop_reading();
     conns.bell().set_waiting_on(&[]);
     result
+}
+
+/// Makes the FIFOs `plan` needs that this rank's connections lack (see
+/// [`crate::transport::lazy`]); every rank of the plan calls it for the same call.
+pub fn connect_for(
+    plan: &Plan,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    call: &CallInfo,
+) -> Result<()> {
+    let needs: Vec<FifoNeed> = plan
+        .lanes
+        .iter()
+        .flat_map(|lane| {
+            lane.steps.iter().filter(|s| !s.is_local()).map(|s| {
+                (
+                    ops[op_of(s)].protocol,
+                    lane.channel,
+                    s.send_to(),
+                    s.recv_from(),
+                )
+            })
+        })
+        .collect();
+    let rank = conns.rank();
+    conns
+        .connect(
+            &needs,
+            &ConnectingCall {
+                op: call.op,
+                seq: call.seq,
+                timeout: call.timeout,
+            },
+        )
+        .map_err(|e| match e {
+            Error::Io { context, source } => Error::io(
+                format!(
+                    "rank {rank}: {} #{}: making FIFOs: {context}",
+                    call.op, call.seq
+                ),
+                source,
+            ),
+            other => other,
+        })
 }
 
 /// [`execute`]'s work.

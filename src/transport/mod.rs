@@ -22,6 +22,7 @@
 pub mod bell;
 pub mod cuda_ipc;
 pub mod fifo;
+pub mod lazy;
 pub mod liveness;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -232,6 +233,8 @@ pub struct Connections {
     rdma: Option<rdma::RdmaNet>,
     /// A second view of this rank's bell, for [`Connections::abort_handle`].
     own_bell: Arc<Bell>,
+    /// How FIFOs not made at establishment are made on first use.
+    lazy: lazy::LazyFifos,
     geometry: Geometry,
     ll: Option<Geometry>,
     /// More ranks on this machine than CPUs they may use (see [`oversubscribed`]).
@@ -250,6 +253,25 @@ impl std::fmt::Debug for Connections {
             .field("geometry", &self.geometry)
             .finish_non_exhaustive()
     }
+}
+
+/// The name of the segment of the FIFO of format `g` on channel index `ci` (of
+/// `channels`; the last is point-to-point) from rank `from` to rank `to`.
+fn fifo_segment_name(
+    prefix: &str,
+    g: Geometry,
+    ci: usize,
+    channels: usize,
+    from: usize,
+    to: usize,
+) -> String {
+    let ll = if g.protocol == Protocol::LL { "l" } else { "" };
+    let chan = if ci == channels {
+        "p".to_string()
+    } else {
+        ci.to_string()
+    };
+    format!("{prefix}-f{chan}{ll}-{from}-{to}")
 }
 
 /// Names created by this rank, removed when dropped (on success after the final
@@ -412,29 +434,19 @@ impl Connections {
                 SegmentKind::InProcess
             }
         };
-        let chan_name = |ci: usize| {
-            if ci == channels {
-                "p".to_string()
-            } else {
-                ci.to_string()
-            }
-        };
         // Every FIFO format in use: Simple always, LL when configured.
         let formats: Vec<Geometry> = std::iter::once(config.geometry).chain(config.ll).collect();
         let fifo_name = |g: Geometry, ci: usize, from: usize, to: usize| {
-            let ll = if g.protocol == Protocol::LL { "l" } else { "" };
-            format!("{prefix}-f{}{ll}-{from}-{to}", chan_name(ci))
+            fifo_segment_name(&prefix, g, ci, channels, from, to)
         };
         let bell_name = |owner: usize| format!("{prefix}-b{owner}");
-        // Peers this rank is connected to (both ways) on channel index `ci`.
+        // Peers this rank links to over the network (both ways) on channel index `ci`:
+        // every one, made at establishment (rings use two neighbours, trees parents and
+        // children, direct algorithms everyone; point-to-point calls any rank).
         let neighbours = |ci: usize| -> Vec<usize> {
             if ci == channels {
-                // Point-to-point: every rank, this one included (a rank may send to
-                // itself, as in NCCL).
                 (0..nranks).collect()
             } else {
-                // Every channel connects every pair: rings use two neighbours, trees
-                // parents and children, direct algorithms everyone.
                 (0..nranks).filter(|&r| r != rank).collect()
             }
         };
@@ -454,19 +466,30 @@ impl Connections {
         let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
             (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut links: Vec<Vec<Option<NetLink>>> = table(channels + 1, nranks);
-        // The FIFOs to and from each peer on this host (paths are symmetric), in every
-        // format: (format, channel index, peer).
-        let mut local_fifos: Vec<(Geometry, usize, usize)> = Vec::new();
+        // Made now, between ranks of this host: only the FIFOs every ring uses, from the
+        // previous rank of each channel's ring and to the next, in every format: (format,
+        // channel index, peer). Trees, direct algorithms and point-to-point calls make
+        // theirs on first use (see `lazy`): memory grows with the peers used, not with
+        // the square of the ranks.
+        let local = |p: usize| p != rank && !matches!(path(rank, p), Path::Tcp | Path::Rdma);
+        let mut eager_recv: Vec<(Geometry, usize, usize)> = Vec::new();
+        let mut eager_send: Vec<(Geometry, usize, usize)> = Vec::new();
         for &g in &formats {
-            for ci in 0..=channels {
-                for peer in neighbours(ci) {
-                    if !matches!(path(rank, peer), Path::Tcp | Path::Rdma) {
-                        local_fifos.push((g, ci, peer));
-                    }
+            for (ci, ring) in config.rings.iter().enumerate() {
+                let at = ring
+                    .iter()
+                    .position(|&r| r == rank)
+                    .expect("every rank in every ring");
+                let (prev, next) = (ring[(at + nranks - 1) % nranks], ring[(at + 1) % nranks]);
+                if local(prev) {
+                    eager_recv.push((g, ci, prev));
+                }
+                if local(next) {
+                    eager_send.push((g, ci, next));
                 }
             }
         }
-        for &(g, ci, from) in &local_fifos {
+        for &(g, ci, from) in &eager_recv {
             let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
             let seg = Segment::create(kind, &name, g.segment_bytes())?;
             created.0.push((kind, name));
@@ -529,7 +552,12 @@ impl Connections {
                 .iter_mut()
                 .filter_map(Option::take)
                 .collect();
-            let tag = format!("r{rank}-c{}-p{peer}", chan_name(ci));
+            let chan = if ci == channels {
+                "p".to_string()
+            } else {
+                ci.to_string()
+            };
+            let tag = format!("r{rank}-c{chan}-p{peer}");
             let (link, tx, rx) = TcpLink::start(
                 socks,
                 striping,
@@ -590,7 +618,7 @@ impl Connections {
                 Liveness::watch(peers[peer].pid)
             });
         }
-        for &(g, ci, to) in &local_fifos {
+        for &(g, ci, to) in &eager_send {
             let (kind, name) = (kind_of(path(rank, to)), fifo_name(g, ci, rank, to));
             let seg = Segment::open(kind, &name, g.segment_bytes())?;
             sends[g.protocol.index()][ci][to] = Some(fifo::send_end(seg, g, &name)?);
@@ -645,7 +673,19 @@ impl Connections {
                 None => "off".to_string(),
             },
         );
+        let lazy = lazy::LazyFifos {
+            store: boot.store().clone(),
+            kinds: (0..nranks)
+                .map(|p| {
+                    (!matches!(path(rank, p), Path::Tcp | Path::Rdma))
+                        .then(|| kind_of(path(rank, p)))
+                })
+                .collect(),
+            formats: [Some(config.geometry), config.ll],
+            prefix,
+        };
         Ok(Connections {
+            lazy,
             rank,
             nranks,
             channels,

@@ -1,0 +1,209 @@
+//! FIFOs between ranks of one host made on first use.
+//!
+//! At establishment a rank makes only the FIFOs every ring uses (from its previous rank
+//! on each channel's ring, to its next). A FIFO that a plan needs beyond those — a
+//! tree's parent or child, a direct algorithm's peers, a send or receive on the
+//! point-to-point channel — is made before the first call that uses it, by the two
+//! ranks it joins, through the bootstrap store:
+//!
+//! 1. the receiver creates the segment and sets `…/made`;
+//! 2. the sender waits for `…/made`, maps the segment and sets `…/opened`;
+//! 3. the receiver waits for `…/opened` and removes the name.
+//!
+//! A rank does step 1 for every FIFO it lacks before it waits on anything, and both
+//! ranks of a FIFO need it in the same call (plans agree), so the steps cannot wait on
+//! each other in a cycle. Every wait has the call's deadline and watches the peer: a
+//! peer that died or failed meanwhile ends the call with an error naming it, as in the
+//! engine.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::bell::Closed;
+use super::segment::{Segment, SegmentKind};
+use super::{Connections, CreatedNames, Geometry, PeerState, Protocol, fifo, fifo_segment_name};
+use crate::error::{Error, Result};
+use crate::store::Store;
+
+/// What a rank needs to make FIFOs later.
+pub(super) struct LazyFifos {
+    /// The bootstrap store the pairs meet on.
+    pub(super) store: Arc<dyn Store>,
+    /// This communicator's segment-name prefix (also its key prefix in the store).
+    pub(super) prefix: String,
+    /// Per peer: the kind of segment shared with it, `None` for peers on other hosts
+    /// (their links are made at establishment).
+    pub(super) kinds: Vec<Option<SegmentKind>>,
+    /// The FIFO format of each protocol ([`Protocol::index`]), if it exists.
+    pub(super) formats: [Option<Geometry>; 2],
+}
+
+/// What one call needs of a FIFO: its protocol, channel, and the peer it sends to and
+/// the peer it receives from on it.
+pub type FifoNeed = (Protocol, usize, Option<usize>, Option<usize>);
+
+/// The call being connected, for errors.
+pub struct ConnectingCall<'a> {
+    /// The operation's name.
+    pub op: &'a str,
+    /// Its sequence number.
+    pub seq: u64,
+    /// How long the connection may take.
+    pub timeout: Duration,
+}
+
+impl Connections {
+    /// Makes the FIFOs to and from peers on this host that `needs` lists and this rank
+    /// lacks (see the [module documentation](self)). Every peer involved must call it
+    /// for the same call.
+    pub fn connect(&mut self, needs: &[FifoNeed], call: &ConnectingCall<'_>) -> Result<()> {
+        let rank = self.rank;
+        // (protocol index, channel index, peer), deduplicated.
+        let mut recv_from: Vec<(usize, usize, usize)> = Vec::new();
+        let mut send_to: Vec<(usize, usize, usize)> = Vec::new();
+        for &(protocol, channel, to, from) in needs {
+            let f = protocol.index();
+            let Some(ci) = self.channel_index(channel) else {
+                continue;
+            };
+            if self.lazy.formats[f].is_none() {
+                continue;
+            }
+            let local = |p: usize| self.lazy.kinds.get(p).is_some_and(Option::is_some);
+            if let Some(p) = from
+                && local(p)
+                && self.recvs[f][ci][p].is_none()
+            {
+                recv_from.push((f, ci, p));
+            }
+            if let Some(p) = to
+                && local(p)
+                && self.sends[f][ci][p].is_none()
+            {
+                send_to.push((f, ci, p));
+            }
+        }
+        if recv_from.is_empty() && send_to.is_empty() {
+            return Ok(());
+        }
+        recv_from.sort_unstable();
+        recv_from.dedup();
+        send_to.sort_unstable();
+        send_to.dedup();
+        let deadline = Instant::now() + call.timeout;
+        let key = |f: usize, ci: usize, from: usize, to: usize, what: &str| {
+            format!("{}/fifo/{f}/{ci}/{from}-{to}/{what}", self.lazy.prefix)
+        };
+        // 1. Create what this rank receives on, and say so.
+        let mut made = CreatedNames(Vec::new());
+        for &(f, ci, p) in &recv_from {
+            let g = self.lazy.formats[f].expect("checked above");
+            let kind = self.lazy.kinds[p].expect("local peer");
+            let name = fifo_segment_name(&self.lazy.prefix, g, ci, self.channels, p, rank);
+            let seg = Segment::create(kind, &name, g.segment_bytes())?;
+            made.0.push((kind, name));
+            self.recvs[f][ci][p] = Some(fifo::recv_end(seg, g)?);
+            self.lazy.store.set(&key(f, ci, p, rank, "made"), b"")?;
+        }
+        // 2. Map what this rank sends on, once its receiver made it.
+        for &(f, ci, p) in &send_to {
+            self.wait_for_peer(&key(f, ci, rank, p, "made"), p, deadline, call)?;
+            let g = self.lazy.formats[f].expect("checked above");
+            let kind = self.lazy.kinds[p].expect("local peer");
+            let name = fifo_segment_name(&self.lazy.prefix, g, ci, self.channels, rank, p);
+            let seg = Segment::open(kind, &name, g.segment_bytes())?;
+            self.sends[f][ci][p] = Some(fifo::send_end(seg, g, &name)?);
+            self.lazy.store.set(&key(f, ci, rank, p, "opened"), b"")?;
+        }
+        // 3. Once each sender mapped its FIFO, its name can go (with `made`).
+        for &(f, ci, p) in &recv_from {
+            self.wait_for_peer(&key(f, ci, p, rank, "opened"), p, deadline, call)?;
+        }
+        drop(made);
+        for &(f, ci, p) in &recv_from {
+            for what in ["made", "opened"] {
+                let _ = self.lazy.store.delete(&key(f, ci, p, rank, what));
+            }
+        }
+        tracing::debug!(
+            "rank {rank}: {} {} #{}: made FIFOs from {:?}, to {:?}",
+            "connected for",
+            call.op,
+            call.seq,
+            recv_from.iter().map(|r| r.2).collect::<Vec<_>>(),
+            send_to.iter().map(|s| s.2).collect::<Vec<_>>()
+        );
+        Ok(())
+    }
+
+    /// Waits until `key` is set in the store by `peer`, watching the peer and the
+    /// deadline.
+    fn wait_for_peer(
+        &self,
+        key: &str,
+        peer: usize,
+        deadline: Instant,
+        call: &ConnectingCall<'_>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lazy.store.wait(
+                &[key],
+                left.min(Duration::from_millis(100))
+                    .max(Duration::from_millis(1)),
+            ) {
+                Ok(()) => return Ok(()),
+                Err(Error::StoreTimeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            let failed = |failed_rank: usize, detail: String| Error::PeerFailed {
+                op: call.op.to_string(),
+                seq: call.seq,
+                rank: self.rank,
+                failed_rank,
+                detail,
+            };
+            match self.peer_state(peer, true) {
+                PeerState::Alive => {}
+                PeerState::Exited => {
+                    return Err(failed(
+                        peer,
+                        format!("rank {peer} died (its process is gone) while connecting"),
+                    ));
+                }
+                PeerState::Closed(Closed::PeerFailed(first)) => {
+                    return Err(failed(
+                        first,
+                        format!("rank {first} failed (reported by rank {peer}, which aborted)"),
+                    ));
+                }
+                PeerState::Closed(_) => {
+                    return Err(failed(
+                        peer,
+                        format!("rank {peer} aborted or destroyed its communicator"),
+                    ));
+                }
+                PeerState::Unreachable(what) => {
+                    return Err(failed(peer, format!("rank {peer} is unreachable: {what}")));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    op: call.op.to_string(),
+                    seq: call.seq,
+                    rank: self.rank,
+                    waiting_on: vec![peer],
+                    stalled: None,
+                    waited: start.elapsed(),
+                });
+            }
+            if self.bell.closed() != Closed::Open {
+                return Err(Error::Aborted {
+                    rank: self.rank,
+                    reason: crate::engine::ABORTED_BY_USER.into(),
+                });
+            }
+        }
+    }
+}
