@@ -74,6 +74,9 @@ fn main() -> ExitCode {
     if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
         return ExitCode::from(child(&role));
     }
+    // Every rank of every row, in this process or a child, talks over loopback only.
+    // SAFETY: no other thread exists yet.
+    unsafe { std::env::set_var("FERROCCL_SOCKET_IFNAME", "=lo") };
     let mut tests: Vec<(String, TestFn)> = Vec::new();
     for algo in [Algo::Ring, Algo::Tree, Algo::OneShot] {
         for step in steps_of(algo) {
@@ -100,7 +103,7 @@ fn main() -> ExitCode {
             ));
         }
     }
-    let others: [(&str, PlainTest); 11] = [
+    let others: [(&str, PlainTest); 12] = [
         (
             "store_server_killed_during_bootstrap",
             store_server_killed_during_bootstrap,
@@ -110,6 +113,7 @@ fn main() -> ExitCode {
             store_server_killed_during_a_run,
         ),
         ("shm_full_at_init", shm_full_at_init),
+        ("shm_full_at_first_use", shm_full_at_first_use),
         (
             "file_store_on_a_full_filesystem",
             file_store_on_a_full_filesystem,
@@ -512,6 +516,20 @@ fn store_host() -> u8 {
 fn init_only() -> u8 {
     let t = Instant::now();
     match init_from_test_env(Duration::from_secs(60)) {
+        Ok(c) if std::env::var_os("FERROCCL_TEST_FIRST_CALL").is_some() => {
+            // One call, whose FIFOs beyond the rings' are made on first use.
+            let mut v = vec![1.0f32; 1000];
+            match c.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                Ok(()) => {
+                    println!("first call done");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    SAW_FAILURE as u8
+                }
+            }
+        }
         Ok(c) => {
             drop(c);
             println!("initialised");
@@ -660,10 +678,29 @@ fn mount_tmpfs(dir: &str, size: &str) -> Result<(), String> {
 }
 
 fn shm_full_at_init() -> Result<(), String> {
-    if !can_mount("shm_full_at_init") {
+    shm_full("shm_full_at_init", "256k", false)
+}
+
+fn shm_full_at_first_use() -> Result<(), String> {
+    shm_full("shm_full_at_first_use", "1m", true)
+}
+
+/// `/dev/shm` of `size` in a mount namespace; four ranks initialise (and with
+/// `first_call`, make a one-shot all-reduce, whose FIFOs are made on first use).
+fn shm_full(row: &str, size: &str, first_call: bool) -> Result<(), String> {
+    if !can_mount(row) {
         return Ok(());
     }
-    let child = in_mount_namespace("shm-full-host").spawn().unwrap();
+    let mut cmd = in_mount_namespace("shm-full-host");
+    cmd.env("FERROCCL_TEST_SHM_SIZE", size);
+    if first_call {
+        cmd.env("FERROCCL_TEST_FIRST_CALL", "1")
+            .env("FERROCCL_ALGO", "one_shot");
+    } else {
+        cmd.env_remove("FERROCCL_TEST_FIRST_CALL")
+            .env_remove("FERROCCL_ALGO");
+    }
+    let child = cmd.spawn().unwrap();
     let e = wait_all(vec![child], Duration::from_secs(120))?.remove(0);
     if e.code != Some(0) {
         return Err(format!("{}\n{}", e.stdout, e.stderr));
@@ -672,10 +709,11 @@ fn shm_full_at_init() -> Result<(), String> {
     Ok(())
 }
 
-/// In its own mount namespace: a 1 MiB `/dev/shm`, and four ranks that try to connect
-/// through it. Every rank must fail naming `/dev/shm`, promptly.
+/// In its own mount namespace: a small `/dev/shm` (`FERROCCL_TEST_SHM_SIZE`), and four
+/// ranks that connect through it. Every rank must fail promptly: those that ran out of
+/// room naming `/dev/shm`, the others naming a rank that failed.
 fn shm_full_host() -> u8 {
-    if let Err(e) = mount_tmpfs("/dev/shm", "1m") {
+    if let Err(e) = mount_tmpfs("/dev/shm", &var("FERROCCL_TEST_SHM_SIZE")) {
         eprintln!("{e}");
         return 1;
     }
@@ -704,10 +742,16 @@ fn shm_full_host() -> u8 {
     let took = start.elapsed();
     let mut ok = true;
     for (rank, e) in ended.iter().enumerate() {
-        if e.code != Some(SAW_FAILURE) || !e.stderr.contains("/dev/shm") {
+        if e.code != Some(SAW_FAILURE)
+            || !(e.stderr.contains("/dev/shm") || e.stderr.contains("failed: rank "))
+        {
             eprintln!("rank {rank} exited {:?}:\n{}", e.code, e.stderr);
             ok = false;
         }
+    }
+    if !ended.iter().any(|e| e.stderr.contains("is /dev/shm full?")) {
+        eprintln!("no rank said /dev/shm is full");
+        ok = false;
     }
     if took > KILL_NOTICED_WITHIN {
         eprintln!("the ranks took {took:?} to fail");

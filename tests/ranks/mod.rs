@@ -16,24 +16,37 @@ pub type TestFn = Box<dyn Fn() -> Result<(), String>>;
 pub type PlainTest = fn() -> Result<(), String>;
 
 /// The parent's `main`: runs the tests whose names contain one of the command line's
-/// filters (all without filters) and prints libtest's lines.
+/// filters (all without filters) and none of its `--skip` names, and prints libtest's
+/// lines.
 pub fn run_tests(tests: Vec<(String, TestFn)>) -> ExitCode {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
+    // libtest's arguments: names to run (substrings, or whole with `--exact`), names to
+    // skip (`--skip NAME`); other flags (`--nocapture`, `--test-threads N`, …) change
+    // nothing here.
+    let (mut filters, mut skips) = (Vec::new(), Vec::new());
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--skip" => skips.extend(args.next()),
+            "--test-threads" | "--color" | "--format" | "-Z" => {
+                args.next();
+            }
+            _ if a.starts_with('-') => {}
+            _ => filters.push(a),
+        }
+    }
     let exact = std::env::args().any(|a| a == "--exact");
     let start = Instant::now();
     let (mut passed, mut failed, mut filtered) = (0, 0, 0);
     for (name, test) in tests {
-        let chosen = filters.is_empty()
-            || filters.iter().any(|f| {
-                if exact {
-                    name == *f
-                } else {
-                    name.contains(f.as_str())
-                }
-            });
+        let matches = |f: &String| {
+            if exact {
+                name == *f
+            } else {
+                name.contains(f.as_str())
+            }
+        };
+        let chosen =
+            (filters.is_empty() || filters.iter().any(matches)) && !skips.iter().any(matches);
         if !chosen {
             filtered += 1;
             continue;
