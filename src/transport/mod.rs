@@ -452,15 +452,6 @@ impl Connections {
         };
 
         let mut created = CreatedNames(Vec::new());
-        let bell_seg = Segment::create(bell_kind(rank), &bell_name(rank), BELL_BYTES)?;
-        created.0.push((bell_kind(rank), bell_name(rank)));
-        let bell = Bell::new(bell_seg);
-        // A second view of our own bell for the TCP proxies, which ring it.
-        let proxy_view = Arc::new(Bell::new(Segment::open(
-            bell_kind(rank),
-            &bell_name(rank),
-            BELL_BYTES,
-        )?));
         let mut recvs: Vec<Vec<Vec<Option<RecvEnd>>>> =
             (0..2).map(|_| table(channels + 1, nranks)).collect();
         let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
@@ -489,11 +480,45 @@ impl Connections {
                 }
             }
         }
-        for &(g, ci, from) in &eager_recv {
-            let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
-            let seg = Segment::create(kind, &name, g.segment_bytes())?;
-            created.0.push((kind, name));
-            recvs[g.protocol.index()][ci][from] = Some(fifo::recv_end(seg, g)?);
+        // This rank's bell and the FIFOs it receives on.
+        let mut make_shared_memory = || -> Result<(Bell, Arc<Bell>)> {
+            let bell_seg = Segment::create(bell_kind(rank), &bell_name(rank), BELL_BYTES)?;
+            created.0.push((bell_kind(rank), bell_name(rank)));
+            let bell = Bell::new(bell_seg);
+            // A second view of our own bell for the TCP proxies, which ring it.
+            let proxy_view = Arc::new(Bell::new(Segment::open(
+                bell_kind(rank),
+                &bell_name(rank),
+                BELL_BYTES,
+            )?));
+            for &(g, ci, from) in &eager_recv {
+                let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
+                let seg = Segment::create(kind, &name, g.segment_bytes())?;
+                created.0.push((kind, name));
+                recvs[g.protocol.index()][ci][from] = Some(fifo::recv_end(seg, g)?);
+            }
+            Ok((bell, proxy_view))
+        };
+        let made = make_shared_memory();
+        // Every rank says whether that worked, so that one rank's failure (a full
+        // /dev/shm) is every rank's error now, not a wait at the next rendezvous.
+        let status = match &made {
+            Ok(_) => Vec::new(),
+            Err(e) => e.to_string().into_bytes(),
+        };
+        let all_status = boot.all_gather(&status)?;
+        let (bell, proxy_view) = made?;
+        if let Some((r, why)) = all_status.iter().enumerate().find(|(_, s)| !s.is_empty()) {
+            return Err(Error::PeerFailed {
+                op: "init".into(),
+                seq: 0,
+                rank,
+                failed_rank: r,
+                detail: format!(
+                    "rank {r} could not make its shared memory: {}",
+                    String::from_utf8_lossy(why)
+                ),
+            });
         }
 
         // TCP: one socket per channel and pair of ranks, opened by the lower rank.
