@@ -553,8 +553,23 @@ impl TcpLink {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.send_bell.ring_always();
         self.shared.recv_bell.ring_always();
+        // After a failure, the call that saw it returns once the peer was told why (the
+        // send proxies' CLOSE is out), briefly bounded: a process that exits right after
+        // its failed call must not leave the peer to see a connection closed without a
+        // goodbye, and blame this rank.
+        if matches!(why, Closed::PeerFailed(_)) {
+            let start = Instant::now();
+            while !self.senders.iter().all(|t| t.is_finished())
+                && start.elapsed() < ABRUPT_GOODBYE_LIMIT
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 }
+
+/// How long closing a link after a failure waits for its CLOSE to be sent.
+const ABRUPT_GOODBYE_LIMIT: Duration = Duration::from_millis(250);
 
 impl Drop for TcpLink {
     fn drop(&mut self) {
