@@ -940,12 +940,11 @@ fn desync_with_debug() -> Result<(), String> {
     Ok(())
 }
 
-/// A rank driving the C ABI: `ncclCommInitRank`, then all-reduces until one fails; then
-/// `ncclCommGetAsyncError` and `ncclGetLastError`, then `ncclCommDestroy`.
-fn capi_loop() -> u8 {
+/// `ncclCommInitRank` from the test environment's unique id, rank and rank count, as a
+/// C-ABI rank starts; `None` (after saying why) if it failed.
+fn capi_init_from_env() -> Option<*mut std::ffi::c_void> {
     use ferroccl::bootstrap::UNIQUE_ID_BYTES;
     use ferroccl::capi::*;
-    use std::ffi::{CStr, c_void};
     let id: UniqueId = var("FERROCCL_TEST_ID").parse().unwrap();
     let rank: i32 = var("FERROCCL_TEST_RANK").parse().unwrap();
     let n: i32 = var("FERROCCL_TEST_NRANKS").parse().unwrap();
@@ -955,13 +954,24 @@ fn capi_loop() -> u8 {
     for (d, s) in raw.internal.iter_mut().zip(id.as_bytes()) {
         *d = *s as std::ffi::c_char;
     }
-    let mut comm: *mut c_void = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and id, as NCCL documents.
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and id, as NCCL documents.
     let r = unsafe { ncclCommInitRank(&mut comm, n, raw, rank) };
     if r != SUCCESS {
         eprintln!("error: ncclCommInitRank returned {r}");
-        return 1;
+        return None;
     }
+    Some(comm)
+}
+
+/// A rank driving the C ABI: `ncclCommInitRank`, then all-reduces until one fails; then
+/// `ncclCommGetAsyncError` and `ncclGetLastError`, then `ncclCommDestroy`.
+fn capi_loop() -> u8 {
+    use ferroccl::capi::*;
+    use std::ffi::{CStr, c_void};
+    let Some(comm) = capi_init_from_env() else {
+        return 1;
+    };
     let mut buf = vec![1.0f32; COUNT];
     for call in 0..1000 {
         let p = buf.as_mut_ptr() as *mut c_void;
@@ -1156,23 +1166,11 @@ fn shrink_sweep() -> u8 {
 /// The same through the C ABI: `ncclCommShrink(…, NCCL_SHRINK_ABORT)` after
 /// `ncclAllReduce` failed, then the sweep on the new communicator.
 fn capi_shrink() -> u8 {
-    use ferroccl::bootstrap::UNIQUE_ID_BYTES;
     use ferroccl::capi::*;
     use std::ffi::{c_int, c_void};
-    let id: UniqueId = var("FERROCCL_TEST_ID").parse().unwrap();
-    let rank: i32 = var("FERROCCL_TEST_RANK").parse().unwrap();
-    let n: i32 = var("FERROCCL_TEST_NRANKS").parse().unwrap();
-    let mut raw = NcclUniqueId {
-        internal: [0; UNIQUE_ID_BYTES],
-    };
-    for (d, s) in raw.internal.iter_mut().zip(id.as_bytes()) {
-        *d = *s as std::ffi::c_char;
-    }
-    let mut comm: *mut c_void = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and id.
-    if unsafe { ncclCommInitRank(&mut comm, n, raw, rank) } != SUCCESS {
+    let Some(comm) = capi_init_from_env() else {
         return 1;
-    }
+    };
     // C-ABI sweep: returns the first failing result.
     let sweep = |comm: *mut c_void, n: usize, rank: usize| -> c_int {
         for count in SWEEP {
@@ -1192,6 +1190,12 @@ fn capi_shrink() -> u8 {
         }
         SUCCESS
     };
+    let (mut rank, mut n) = (-1, -1);
+    // SAFETY: a live communicator and valid out-pointers.
+    unsafe {
+        ncclCommUserRank(comm, &mut rank);
+        ncclCommCount(comm, &mut n);
+    }
     let failed = loop {
         let r = sweep(comm, n as usize, rank as usize);
         if r != SUCCESS {

@@ -14,9 +14,12 @@
 //! Exits 1 with the bootstrap error (which names any missing ranks) if the rendezvous
 //! fails. `FERROCCL_BOOTSTRAP_TIMEOUT` sets how long to wait, in seconds.
 
+#[path = "cli_support.rs"]
+mod cli_support;
+
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 use clap_complete::Shell;
 use ferroccl::bootstrap::{Bootstrap, BootstrapOptions, UniqueId};
 
@@ -79,14 +82,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(shell) = cli.completions {
-        let mut cmd = Cli::command();
-        clap_complete::generate(
-            shell,
-            &mut cmd,
-            "ferroccl-rendezvous",
-            &mut std::io::stdout(),
-        );
-        return ExitCode::SUCCESS;
+        return cli_support::print_completions::<Cli>(shell);
     }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -149,6 +145,8 @@ fn run(cli: Cli) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory;
+
     use super::*;
 
     #[test]

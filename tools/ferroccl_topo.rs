@@ -11,9 +11,12 @@
 //! A running job writes its own (actual ranks and addresses) with
 //! `FERROCCL_TOPO_DUMP_FILE=FILE`.
 
+#[path = "cli_support.rs"]
+mod cli_support;
+
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 use clap_complete::Shell;
 use ferroccl::plan::PlanOptions;
 use ferroccl::plan::tree::RankTree;
@@ -78,9 +81,7 @@ fn main() -> ExitCode {
     // Help and the version on stdout with status 0; mistakes on stderr with 2.
     let cli = Cli::parse();
     if let Some(shell) = cli.completions {
-        let mut cmd = Cli::command();
-        clap_complete::generate(shell, &mut cmd, "ferroccl-topo", &mut std::io::stdout());
-        return ExitCode::SUCCESS;
+        return cli_support::print_completions::<Cli>(shell);
     }
     let (json, hosts, per_host, channels) = (cli.json, cli.hosts, cli.ranks_per_host, cli.channels);
     let host = HostTopology::detect();
@@ -192,6 +193,8 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory;
+
     use super::*;
 
     #[test]

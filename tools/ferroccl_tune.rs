@@ -13,6 +13,9 @@
 //! the model's ring and tree times with each protocol for an all-reduce from 8 B to
 //! 1 GiB, its pick, and the sizes where the tree and LL stop being faster.
 
+#[path = "cli_support.rs"]
+mod cli_support;
+
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -92,11 +95,7 @@ fn main() -> ExitCode {
     // Help and the version on stdout with status 0; mistakes on stderr with 2.
     let cli = Cli::try_parse().unwrap_or_else(|e| e.exit());
     let result = match (cli.completions, cli.command) {
-        (Some(shell), _) => {
-            let mut cmd = Cli::command();
-            clap_complete::generate(shell, &mut cmd, "ferroccl-tune", &mut std::io::stdout());
-            Ok(())
-        }
+        (Some(shell), _) => return cli_support::print_completions::<Cli>(shell),
         (None, Some(Command::Measure)) => measure(),
         (None, Some(Command::Predict(args))) => predict(args),
         (None, None) => Cli::command()

@@ -14,6 +14,9 @@
 //! ferroccl-viz --completions bash                # the shell's completion script
 //! ```
 
+#[path = "cli_support.rs"]
+mod cli_support;
+
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
@@ -181,11 +184,7 @@ fn main() -> ExitCode {
     // Help and the version on stdout with status 0; mistakes on stderr with 2.
     let cli = Cli::try_parse().unwrap_or_else(|e| e.exit());
     let result = match (cli.completions, cli.command) {
-        (Some(shell), _) => {
-            let mut cmd = Cli::command();
-            clap_complete::generate(shell, &mut cmd, "ferroccl-viz", &mut std::io::stdout());
-            Ok(())
-        }
+        (Some(shell), _) => return cli_support::print_completions::<Cli>(shell),
         (None, Some(command)) => run(command),
         (None, None) => Cli::command()
             .error(ErrorKind::MissingSubcommand, "no command")

@@ -20,6 +20,9 @@
 //! after `--`) is the program's command line, untouched. Like torchrun, every option
 //! may be spelt with underscores too (`--nproc_per_node`).
 
+#[path = "cli_support.rs"]
+mod cli_support;
+
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -181,15 +184,7 @@ fn parse_args<T: Into<OsString>>(argv: impl IntoIterator<Item = T>) -> Result<Ac
 fn main() -> ExitCode {
     let job = match parse_args(std::env::args_os().skip(1)) {
         Ok(Action::Run(job)) => job,
-        Ok(Action::Completions(shell)) => {
-            clap_complete::generate(
-                shell,
-                &mut Cli::command(),
-                "ferrorun",
-                &mut std::io::stdout(),
-            );
-            return ExitCode::SUCCESS;
-        }
+        Ok(Action::Completions(shell)) => return cli_support::print_completions::<Cli>(shell),
         // Help and the version on stdout with status 0; mistakes on stderr with 2.
         Err(e) => e.exit(),
     };

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::transport::bell::Closed;
-use crate::transport::lazy::{ConnectingCall, FifoNeed};
+use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, PeerState, Protocol};
 
 /// Sweeps without progress spent spinning, then yielding, before sleeping, when every
@@ -90,6 +90,39 @@ pub struct CallInfo {
     /// that never waits reads no clock: on a VM a clock read costs tens of
     /// nanoseconds, a fifth of a small all-reduce).
     pub timeout: Duration,
+}
+
+impl CallInfo {
+    /// The error `rank` returns for this call when `failure` (the rank to blame, and
+    /// what happened) ended it.
+    pub fn peer_failed(&self, rank: usize, (failed_rank, detail): (usize, String)) -> Error {
+        Error::PeerFailed {
+            op: self.op.to_string(),
+            seq: self.seq,
+            rank,
+            failed_rank,
+            detail,
+        }
+    }
+
+    /// The error `rank` returns for this call when its deadline passed after `waited`,
+    /// waiting on `waiting_on` (and, where known, on the `stalled` rank behind them).
+    pub fn timed_out(
+        &self,
+        rank: usize,
+        waiting_on: Vec<usize>,
+        stalled: Option<usize>,
+        waited: Duration,
+    ) -> Error {
+        Error::Timeout {
+            op: self.op.to_string(),
+            seq: self.seq,
+            rank,
+            waiting_on,
+            stalled,
+            waited,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -182,25 +215,16 @@ pub fn connect_for(
         })
         .collect();
     let rank = conns.rank();
-    conns
-        .connect(
-            &needs,
-            &ConnectingCall {
-                op: call.op,
-                seq: call.seq,
-                timeout: call.timeout,
-            },
-        )
-        .map_err(|e| match e {
-            Error::Io { context, source } => Error::io(
-                format!(
-                    "rank {rank}: {} #{}: making FIFOs: {context}",
-                    call.op, call.seq
-                ),
-                source,
+    conns.connect(&needs, call).map_err(|e| match e {
+        Error::Io { context, source } => Error::io(
+            format!(
+                "rank {rank}: {} #{}: making FIFOs: {context}",
+                call.op, call.seq
             ),
-            other => other,
-        })
+            source,
+        ),
+        other => other,
+    })
 }
 
 /// [`execute`]'s work.
@@ -313,15 +337,9 @@ unsafe fn run_lanes(
                 reason: ABORTED_BY_USER.into(),
             });
         }
-        if let Some((failed_rank, detail)) = failure {
+        if let Some(failure) = failure {
             conns.bell().cancel_sleep();
-            return Err(Error::PeerFailed {
-                op: call.op.to_string(),
-                seq: call.seq,
-                rank: conns.rank(),
-                failed_rank,
-                detail,
-            });
+            return Err(call.peer_failed(conns.rank(), failure));
         }
         let start = start.unwrap_or(now);
         let deadline = start + call.timeout;
@@ -332,24 +350,16 @@ unsafe fn run_lanes(
                 .filter(|&s| Some(&s) != waiting_on.first());
             // While this rank watched, a peer may have found and named the culprit.
             if stalled.is_none()
-                && let Some((failed_rank, detail)) = peer_failure(conns, &waiting_on, true)
+                && let Some(failure) = peer_failure(conns, &waiting_on, true)
             {
-                return Err(Error::PeerFailed {
-                    op: call.op.to_string(),
-                    seq: call.seq,
-                    rank: conns.rank(),
-                    failed_rank,
-                    detail,
-                });
+                return Err(call.peer_failed(conns.rank(), failure));
             }
-            return Err(Error::Timeout {
-                op: call.op.to_string(),
-                seq: call.seq,
-                rank: conns.rank(),
+            return Err(call.timed_out(
+                conns.rank(),
                 waiting_on,
                 stalled,
-                waited: now.duration_since(start),
-            });
+                now.duration_since(start),
+            ));
         }
         let nap = MAX_SLEEP.min(deadline - now).min(PROCESS_CHECK_INTERVAL);
         conns.bell().set_waiting_on(&waiting_on);
@@ -374,20 +384,15 @@ fn peer_failure(
         .map(|&p| (p, true))
         .chain(others.map(|p| (p, false)))
     {
-        return Some(match conns.peer_state(peer, check_process && waited) {
-            PeerState::Alive => continue,
-            PeerState::Closed(Closed::PeerFailed(first)) => (
-                first,
-                format!("rank {first} failed (reported by rank {peer}, which aborted)"),
-            ),
-            _ if !waited => continue,
-            PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
-            PeerState::Unreachable(what) => (peer, format!("rank {peer} is unreachable: {what}")),
-            PeerState::Closed(_) => (
-                peer,
-                format!("rank {peer} aborted or destroyed its communicator"),
-            ),
-        });
+        let state = conns.peer_state(peer, check_process && waited);
+        // Of a peer not waited on, only a failure it reports counts: it may well have
+        // finished and gone.
+        if !waited && !matches!(state, PeerState::Closed(Closed::PeerFailed(_))) {
+            continue;
+        }
+        if let Some(failure) = state.failure(peer) {
+            return Some(failure);
+        }
     }
     None
 }

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::bell::Closed;
 use super::segment::{Segment, SegmentKind};
-use super::{Connections, CreatedNames, Geometry, PeerState, Protocol, fifo, fifo_segment_name};
+use super::{Connections, CreatedNames, Geometry, Protocol, fifo, fifo_segment_name};
+use crate::engine::CallInfo;
 use crate::error::{Error, Result};
 use crate::store::Store;
 
@@ -42,21 +43,11 @@ pub(super) struct LazyFifos {
 /// the peer it receives from on it.
 pub type FifoNeed = (Protocol, usize, Option<usize>, Option<usize>);
 
-/// The call being connected, for errors.
-pub struct ConnectingCall<'a> {
-    /// The operation's name.
-    pub op: &'a str,
-    /// Its sequence number.
-    pub seq: u64,
-    /// How long the connection may take.
-    pub timeout: Duration,
-}
-
 impl Connections {
     /// Makes the FIFOs to and from peers on this host that `needs` lists and this rank
     /// lacks (see the [module documentation](self)). Every peer involved must call it
     /// for the same call.
-    pub fn connect(&mut self, needs: &[FifoNeed], call: &ConnectingCall<'_>) -> Result<()> {
+    pub fn connect(&mut self, needs: &[FifoNeed], call: &CallInfo) -> Result<()> {
         let rank = self.rank;
         // (protocol index, channel index, peer), deduplicated.
         let mut recv_from: Vec<(usize, usize, usize)> = Vec::new();
@@ -143,7 +134,7 @@ impl Connections {
         key: &str,
         peer: usize,
         deadline: Instant,
-        call: &ConnectingCall<'_>,
+        call: &CallInfo,
     ) -> Result<()> {
         let start = Instant::now();
         loop {
@@ -157,46 +148,14 @@ impl Connections {
                 Err(Error::StoreTimeout { .. }) => {}
                 Err(e) => return Err(e),
             }
-            let failed = |failed_rank: usize, detail: String| Error::PeerFailed {
-                op: call.op.to_string(),
-                seq: call.seq,
-                rank: self.rank,
-                failed_rank,
-                detail,
-            };
-            match self.peer_state(peer, true) {
-                PeerState::Alive => {}
-                PeerState::Exited => {
-                    return Err(failed(
-                        peer,
-                        format!("rank {peer} died (its process is gone) while connecting"),
-                    ));
-                }
-                PeerState::Closed(Closed::PeerFailed(first)) => {
-                    return Err(failed(
-                        first,
-                        format!("rank {first} failed (reported by rank {peer}, which aborted)"),
-                    ));
-                }
-                PeerState::Closed(_) => {
-                    return Err(failed(
-                        peer,
-                        format!("rank {peer} aborted or destroyed its communicator"),
-                    ));
-                }
-                PeerState::Unreachable(what) => {
-                    return Err(failed(peer, format!("rank {peer} is unreachable: {what}")));
-                }
+            if let Some((failed_rank, detail)) = self.peer_state(peer, true).failure(peer) {
+                return Err(call.peer_failed(
+                    self.rank,
+                    (failed_rank, format!("{detail}, while connecting")),
+                ));
             }
             if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    op: call.op.to_string(),
-                    seq: call.seq,
-                    rank: self.rank,
-                    waiting_on: vec![peer],
-                    stalled: None,
-                    waited: start.elapsed(),
-                });
+                return Err(call.timed_out(self.rank, vec![peer], None, start.elapsed()));
             }
             if self.bell.closed() != Closed::Open {
                 return Err(Error::Aborted {

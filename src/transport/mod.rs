@@ -214,6 +214,27 @@ pub enum PeerState {
     Unreachable(String),
 }
 
+impl PeerState {
+    /// The rank to blame and what happened, as seen by looking at `peer`; `None` while
+    /// `peer` is alive. A peer that aborted because another rank failed passes the blame
+    /// on to that rank, so news of a failure spreads to every rank at once.
+    pub fn failure(&self, peer: usize) -> Option<(usize, String)> {
+        Some(match self {
+            PeerState::Alive => return None,
+            PeerState::Closed(Closed::PeerFailed(first)) => (
+                *first,
+                format!("rank {first} failed (reported by rank {peer}, which aborted)"),
+            ),
+            PeerState::Exited => (peer, format!("rank {peer} died (its process is gone)")),
+            PeerState::Unreachable(what) => (peer, format!("rank {peer} is unreachable: {what}")),
+            PeerState::Closed(_) => (
+                peer,
+                format!("rank {peer} aborted or destroyed its communicator"),
+            ),
+        })
+    }
+}
+
 /// One rank's connections to its peers.
 pub struct Connections {
     rank: usize,
