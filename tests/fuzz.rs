@@ -378,6 +378,9 @@ fn perf_tool_command_lines() {
 fn rdma_endpoints_and_hca_lists() {
     use ferroccl::store::wire::Cursor;
     use ferroccl::transport::rdma::HcaFilter;
+    use ferroccl::transport::rdma::gid::{
+        AddrFamily, AddrRange, GidEntry, GidSelection, choose_gid,
+    };
     use ferroccl::transport::rdma::verbs::Endpoint;
     let endpoint = (
         any::<u32>(),
@@ -411,6 +414,78 @@ fn rdma_endpoints_and_hca_lists() {
         |bytes| {
             let (_, allocated) = allocated_by(|| Endpoint::decode(&mut Cursor::new(&bytes)));
             prop_assert!(allocated <= ALLOC_SLACK);
+            Ok(())
+        },
+    );
+    fuzz(
+        "NCCL_IB_ADDR_RANGE",
+        "[0-9a-f.:/]{0,24}|[0-9]{1,3}(\\.[0-9]{1,3}){3}/[0-9]{1,3}",
+        |text| {
+            if let Ok(r) = AddrRange::parse(&text) {
+                let most = if r.base.is_ipv4() { 32 } else { 128 };
+                prop_assert!(r.prefix <= most, "{r}");
+                prop_assert!(r.contains(r.base), "{r} holds its own base");
+            }
+            Ok(())
+        },
+    );
+    let entry = (
+        any::<u8>(),
+        any::<[u8; 16]>(),
+        prop::option::of(1u8..=2),
+        any::<bool>(),
+    )
+        .prop_map(|(index, mut gid, roce_version, mapped)| {
+            if mapped {
+                gid[..12].copy_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
+            }
+            GidEntry {
+                index,
+                gid,
+                roce_version,
+            }
+        });
+    let selection = prop_oneof![
+        any::<u8>().prop_map(GidSelection::Index),
+        (
+            1u8..=2,
+            any::<bool>(),
+            any::<bool>(),
+            any::<[u8; 4]>(),
+            0u8..=32
+        )
+            .prop_map(
+                |(roce_version, v6, ranged, base, prefix)| GidSelection::Auto {
+                    roce_version,
+                    family: if v6 { AddrFamily::V6 } else { AddrFamily::V4 },
+                    range: (ranged && !v6).then(|| AddrRange {
+                        base: std::net::IpAddr::from(base),
+                        prefix,
+                    }),
+                }
+            ),
+    ];
+    fuzz(
+        "GID choice",
+        (prop::collection::vec(entry, 0..8), any::<bool>(), selection),
+        |(table, ethernet, selection)| {
+            match choose_gid(&table, ethernet, &selection) {
+                Ok(e) if ethernet => {
+                    prop_assert!(table.contains(&e), "a RoCE GID comes from the table");
+                    if let GidSelection::Auto {
+                        roce_version,
+                        family,
+                        range,
+                    } = selection
+                    {
+                        prop_assert!(e.roce_version.is_none_or(|v| v == roce_version));
+                        prop_assert_eq!(e.address().is_ipv4(), family == AddrFamily::V4);
+                        prop_assert!(range.is_none_or(|r| r.contains(e.address())));
+                    }
+                }
+                Ok(_) => {}
+                Err(why) => prop_assert!(ethernet && why.contains("NCCL_IB_GID_INDEX"), "{why}"),
+            }
             Ok(())
         },
     );

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,9 +15,10 @@ use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::store::{HashStore, Store};
 use ferroccl::transport::NetChoice;
+use ferroccl::transport::rdma::gid::{AddrFamily, AddrRange, GidEntry, GidSelection};
 use ferroccl::transport::rdma::sim::{Fault, SimFabric};
-use ferroccl::transport::rdma::verbs::Provider;
-use ferroccl::transport::rdma::{RdmaConfig, open_nic};
+use ferroccl::transport::rdma::verbs::{DeviceInfo, Provider, QpOptions};
+use ferroccl::transport::rdma::{RdmaConfig, describe, open_nic};
 use ferroccl::tune::LinkCost;
 use ferroccl::{Communicator, DataType, Error, ReduceOp};
 
@@ -360,15 +362,15 @@ fn a_vanished_peer_is_found_by_the_probes() {
     assert_nothing_left(&fabric);
 }
 
-#[test]
-fn nccl_net_ib_without_a_device_names_the_rank() {
-    let fabric = SimFabric::with_devices(Vec::new());
+/// What each of 2 ranks on hosts of their own gets from initialising with
+/// `NCCL_NET=IB` over `fabric` and `config`, which must fail.
+fn init_errors(fabric: &Arc<SimFabric>, config: &CommConfig) -> Vec<String> {
     let store = HashStore::new();
-    let errors: Vec<String> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 let store: Arc<dyn Store> = Arc::new(store.clone());
-                let mut config = small_fifos(1);
+                let mut config = config.clone();
                 config.net = NetChoice::Ib;
                 config.rdma.provider = Some(fabric.clone());
                 config.bootstrap.host_id = Some(format!("h{rank}"));
@@ -381,11 +383,157 @@ fn nccl_net_ib_without_a_device_names_the_rank() {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn nccl_net_ib_without_a_device_names_the_rank() {
+    let errors = init_errors(&SimFabric::with_devices(Vec::new()), &small_fifos(1));
     for e in &errors {
         assert!(e.contains("NCCL_NET=IB") && e.contains("rank 0"), "{e}");
     }
     assert!(errors[0].contains("no RDMA device"), "{}", errors[0]);
+}
+
+fn gid(index: u8, addr: &str, roce_version: u8) -> GidEntry {
+    let gid = match addr.parse::<IpAddr>().unwrap() {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    GidEntry {
+        index,
+        gid,
+        roce_version: Some(roce_version),
+    }
+}
+
+/// A RoCE port's GID table as a ConnectX shows it for one IPv4 address: link-local v1
+/// and v2 entries, then the IPv4 address as v1 (index 2) and v2 (index 3).
+fn roce_table() -> Vec<GidEntry> {
+    vec![
+        gid(0, "fe80::a288:c2ff:fe3b:506a", 1),
+        gid(1, "fe80::a288:c2ff:fe3b:506a", 2),
+        gid(2, "10.200.1.10", 1),
+        gid(3, "10.200.1.10", 2),
+    ]
+}
+
+/// On RoCE the queue pairs use the GID chosen as NCCL chooses it (the IPv4 RoCE v2
+/// entry, not index 0) and carry it to their peers; the grid runs over it.
+#[test]
+fn roce_ports_use_the_ipv4_roce_v2_gid() {
+    let fabric =
+        SimFabric::with_devices(vec![SimFabric::device("roce0", "Ethernet", roce_table())]);
+    let config = RdmaConfig {
+        provider: Some(fabric.clone()),
+        ..RdmaConfig::default()
+    };
+    let nic = open_nic(&config, 0, 1, 8).unwrap();
+    assert_eq!(nic.gid(), roce_table()[3]);
+    assert_eq!(
+        describe(nic.as_ref()),
+        "roce0:1 (Ethernet, 100 Gb/s), GID 3 (10.200.1.10, RoCE v2)"
+    );
+    let e = nic.create_qp(&QpOptions {
+        max_send: 4,
+        max_recv: 4,
+        timeout: 14,
+        retry_cnt: 1,
+        traffic_class: 0,
+        service_level: 0,
+    });
+    let endpoint = e.unwrap();
+    assert_eq!(
+        endpoint.gid,
+        roce_table()[3].gid,
+        "the endpoint carries the GID"
+    );
+    nic.destroy_qp(endpoint.qpn);
+    drop(nic);
+    let comms = start(&fabric, 2, 1, &small_fifos(1));
+    common::check_grid(&comms, &[DataType::Float32], &[0, 1, 4099], "over RoCE");
+    drop(comms);
+    assert_nothing_left(&fabric);
+    // NCCL_IB_GID_INDEX names one instead; RoCE v1 and a range narrow the choice.
+    for (gid, index) in [
+        (GidSelection::Index(1), 1),
+        (
+            GidSelection::Auto {
+                roce_version: 1,
+                family: AddrFamily::V4,
+                range: Some(AddrRange::parse("10.200.0.0/16").unwrap()),
+            },
+            2,
+        ),
+    ] {
+        let config = RdmaConfig {
+            gid,
+            ..config.clone()
+        };
+        assert_eq!(open_nic(&config, 0, 1, 8).unwrap().gid().index, index);
+    }
+}
+
+/// A RoCE port without a routable IPv4 RoCE v2 GID (here: only link-local ones) fails
+/// every rank at initialisation, saying what was looked for and what the table holds.
+#[test]
+fn a_roce_port_without_a_suitable_gid_is_named() {
+    let fabric = SimFabric::with_devices(vec![SimFabric::device(
+        "roce0",
+        "Ethernet",
+        roce_table()[..2].to_vec(),
+    )]);
+    let errors = init_errors(&fabric, &small_fifos(1));
+    for e in &errors {
+        assert!(e.contains("NCCL_NET=IB") && e.contains("rank 0"), "{e}");
+    }
+    let e = &errors[0];
+    assert!(
+        e.contains("RDMA device roce0:1: no GID is a RoCE v2 AF_INET entry, not link-local"),
+        "{e}"
+    );
+    assert!(
+        e.contains("1 (fe80::a288:c2ff:fe3b:506a, RoCE v2)") && e.contains("NCCL_IB_GID_INDEX"),
+        "{e}"
+    );
+    assert_nothing_left(&fabric);
+}
+
+/// Queues larger than the device allows (`max_cqe`, `max_qp_wr`) are refused before
+/// anything is created, naming the limit and the settings that shrink them.
+#[test]
+fn queues_beyond_the_device_limits_are_named() {
+    let limited = |max_cqe, max_qp_wr| {
+        SimFabric::with_devices(vec![DeviceInfo {
+            max_cqe,
+            max_qp_wr,
+            ..SimFabric::device("small0", "InfiniBand", Vec::new())
+        }])
+    };
+    // 2 channels and the point-to-point one, 1 peer, FIFOs of 4 slots: 3 links of
+    // 2 x (2 x 4 + 4) entries = 72.
+    let fabric = limited(71, 1024);
+    let errors = init_errors(&fabric, &small_fifos(2));
+    let e = &errors[0];
+    assert!(
+        e.contains("completion queue of 72 entries") && e.contains("max_cqe of 71"),
+        "{e}"
+    );
+    assert!(
+        e.contains("NCCL_NCHANNELS") && e.contains("NCCL_IB_QPS_PER_CONNECTION"),
+        "{e}"
+    );
+    assert_nothing_left(&fabric);
+    let fabric = limited(72, 1024);
+    drop(start(&fabric, 2, 1, &small_fifos(2)));
+    assert_nothing_left(&fabric);
+    let fabric = limited(1 << 20, 11);
+    let e = &init_errors(&fabric, &small_fifos(1))[0];
+    assert!(
+        e.contains("queue pairs of 12 work requests") && e.contains("max_qp_wr of 11"),
+        "{e}"
+    );
+    assert!(e.contains("FERROCCL_SLOTS"), "{e}");
 }
 
 /// Without `NCCL_NET=IB`, ranks without a device fall back to TCP (and say so).
@@ -469,7 +617,7 @@ fn user_buffers_are_registered_through_a_cache() {
 #[test]
 fn the_collective_grid_on_a_real_rdma_device() {
     let config = RdmaConfig::from_env().unwrap();
-    let nic = match open_nic(&config, 0, 64) {
+    let nic = match open_nic(&config, 0, 1, 8) {
         Ok(nic) => nic,
         Err(why) => {
             eprintln!("SKIPPED the_collective_grid_on_a_real_rdma_device: {why}");

@@ -128,7 +128,7 @@ pub fn rdma_device_here() -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
         let config = rdma::RdmaConfig::from_env().map_err(|e| e.to_string())?;
-        rdma::open_nic(&config, 0, 64).map(|nic| nic.device().to_string())
+        rdma::open_nic(&config, 0, 1, 8).map(|nic| rdma::describe(nic.as_ref()))
     }
     #[cfg(not(feature = "rdma"))]
     Err("ferroccl was built without the `rdma` feature".into())
@@ -1043,10 +1043,9 @@ impl NetDevice {
                     .rings
                     .first()
                     .map_or(0, |r| r.len().saturating_sub(1));
-            let cq_entries = config.rdma.cq_entries(links, config.geometry.slots);
-            match rdma::open_nic(&config.rdma, rank, cq_entries) {
+            match rdma::open_nic(&config.rdma, rank, links, config.geometry.slots) {
                 Ok(nic) => {
-                    d.device = Some(nic.device().to_string());
+                    d.device = Some(rdma::describe(nic.as_ref()));
                     d.gbps = nic.device().gbps;
                     d.nic = Some(nic);
                 }

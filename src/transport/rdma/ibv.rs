@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use ibverbs_sys as ffi;
 
+use super::gid::GidEntry;
 use super::verbs::{
     Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, QpState, Region, Remote,
     WcKind, WcStatus,
@@ -31,6 +32,7 @@ type GetDeviceName = unsafe extern "C" fn(*mut ffi::ibv_device) -> *const c_char
 type OpenDevice = unsafe extern "C" fn(*mut ffi::ibv_device) -> *mut ffi::ibv_context;
 type CloseDevice = unsafe extern "C" fn(*mut ffi::ibv_context) -> c_int;
 type QueryPort = unsafe extern "C" fn(*mut ffi::ibv_context, u8, *mut ffi::ibv_port_attr) -> c_int;
+type QueryDevice = unsafe extern "C" fn(*mut ffi::ibv_context, *mut ffi::ibv_device_attr) -> c_int;
 type QueryGid = unsafe extern "C" fn(*mut ffi::ibv_context, u8, c_int, *mut ffi::ibv_gid) -> c_int;
 type AllocPd = unsafe extern "C" fn(*mut ffi::ibv_context) -> *mut ffi::ibv_pd;
 type DeallocPd = unsafe extern "C" fn(*mut ffi::ibv_pd) -> c_int;
@@ -71,6 +73,7 @@ struct Lib {
     get_device_name: GetDeviceName,
     open_device: OpenDevice,
     close_device: CloseDevice,
+    query_device: QueryDevice,
     query_port: QueryPort,
     query_gid: QueryGid,
     alloc_pd: AllocPd,
@@ -109,6 +112,7 @@ impl Lib {
             get_device_name: sym!("ibv_get_device_name"),
             open_device: sym!("ibv_open_device"),
             close_device: sym!("ibv_close_device"),
+            query_device: sym!("ibv_query_device"),
             query_port: sym!("ibv_query_port"),
             query_gid: sym!("ibv_query_gid"),
             alloc_pd: sym!("ibv_alloc_pd"),
@@ -205,6 +209,55 @@ fn sysfs_rate(device: &str, port: u8) -> Option<f64> {
     text.split_whitespace().next()?.parse().ok()
 }
 
+/// The filled entries of `port`'s GID table (`len` entries), with each RoCE entry's
+/// version from sysfs (`gid_attrs/types/N`: `IB/RoCE v1` or `RoCE v2`).
+fn gid_table(
+    lib: &Lib,
+    ctx: *mut ffi::ibv_context,
+    device: &str,
+    port: u8,
+    len: c_int,
+    ethernet: bool,
+) -> Vec<GidEntry> {
+    let mut table = Vec::new();
+    for index in 0..len.clamp(0, 256) {
+        let mut gid = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: `ctx` is open and `gid` a valid out-pointer.
+        if unsafe { (lib.query_gid)(ctx, port, index, &mut gid) } != 0 {
+            continue;
+        }
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        let raw = unsafe { gid.raw };
+        if raw == [0; 16] {
+            continue;
+        }
+        let roce_version = ethernet
+            .then(|| {
+                std::fs::read_to_string(format!(
+                    "/sys/class/infiniband/{device}/ports/{port}/gid_attrs/types/{index}"
+                ))
+                .ok()
+                .and_then(|text| roce_version(&text))
+            })
+            .flatten();
+        table.push(GidEntry {
+            index: index as u8,
+            gid: raw,
+            roce_version,
+        });
+    }
+    table
+}
+
+/// The RoCE version sysfs gives a GID entry (`IB/RoCE v1`, `RoCE v2`).
+fn roce_version(sysfs_type: &str) -> Option<u8> {
+    match sysfs_type.trim() {
+        "RoCE v2" => Some(2),
+        "IB/RoCE v1" | "RoCE v1" => Some(1),
+        _ => None,
+    }
+}
+
 fn device_name(lib: &Lib, dev: *mut ffi::ibv_device) -> String {
     // SAFETY: `dev` is a device of a live list; the name is a C string it owns.
     let name = unsafe { (lib.get_device_name)(dev) };
@@ -229,6 +282,13 @@ impl Provider for Libibverbs {
                 if ctx.is_null() {
                     continue;
                 }
+                let mut limits = ffi::ibv_device_attr::default();
+                // SAFETY: `ctx` is open and `limits` a valid out-pointer.
+                if unsafe { (lib.query_device)(ctx, &mut limits) } != 0 {
+                    // SAFETY: opened above, closed once.
+                    unsafe { (lib.close_device)(ctx) };
+                    continue;
+                }
                 for port in 1..=8u8 {
                     let mut attr = ffi::ibv_port_attr::default();
                     // SAFETY: `ctx` is open and `attr` a valid out-pointer of the full
@@ -239,6 +299,7 @@ impl Provider for Libibverbs {
                     if attr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
                         continue;
                     }
+                    let ethernet = u32::from(attr.link_layer) == ffi::IBV_LINK_LAYER_ETHERNET;
                     out.push(DeviceInfo {
                         name: name.clone(),
                         port,
@@ -248,11 +309,10 @@ impl Provider for Libibverbs {
                             lanes(attr.active_width)
                                 * lane_gbps(attr.active_speed, attr.active_speed_ex)
                         }),
-                        link_layer: if u32::from(attr.link_layer) == ffi::IBV_LINK_LAYER_ETHERNET {
-                            "Ethernet"
-                        } else {
-                            "InfiniBand"
-                        },
+                        link_layer: if ethernet { "Ethernet" } else { "InfiniBand" },
+                        gids: gid_table(lib, ctx, &name, port, attr.gid_tbl_len, ethernet),
+                        max_cqe: usize::try_from(limits.max_cqe).unwrap_or(0),
+                        max_qp_wr: usize::try_from(limits.max_qp_wr).unwrap_or(0),
                     });
                 }
                 // SAFETY: opened above, closed once.
@@ -267,6 +327,7 @@ impl Provider for Libibverbs {
         device: &DeviceInfo,
         owner: usize,
         cq_entries: usize,
+        gid: GidEntry,
     ) -> io::Result<Arc<dyn Nic>> {
         let lib = self.lib.clone();
         let ctx = self.with_devices(|devices| {
@@ -287,7 +348,7 @@ impl Provider for Libibverbs {
             }
             Ok(ctx)
         })?;
-        IbvNic::new(lib, ctx, device.clone(), owner, cq_entries)
+        IbvNic::new(lib, ctx, device.clone(), gid, owner, cq_entries)
             .map(|n| Arc::new(n) as Arc<dyn Nic>)
     }
 }
@@ -309,6 +370,8 @@ struct IbvNic {
     /// An eventfd that ends a wait early.
     wake: c_int,
     lid: u16,
+    /// The GID table entry every queue pair uses.
+    gid: GidEntry,
     ethernet: bool,
     active_mtu: ffi::ibv_mtu,
     /// Queue pairs by number. Verbs on a queue pair run under the read lock, so that
@@ -333,6 +396,7 @@ impl IbvNic {
         lib: Arc<Lib>,
         ctx: *mut ffi::ibv_context,
         device: DeviceInfo,
+        gid: GidEntry,
         owner: usize,
         cq_entries: usize,
     ) -> io::Result<Self> {
@@ -376,6 +440,7 @@ impl IbvNic {
             cq,
             wake,
             lid: attr.lid,
+            gid,
             ethernet: u32::from(attr.link_layer) == ffi::IBV_LINK_LAYER_ETHERNET,
             active_mtu: attr.active_mtu,
             qps: RwLock::new(HashMap::new()),
@@ -504,7 +569,7 @@ impl IbvNic {
         if self.ethernet || remote.lid == 0 {
             attr.ah_attr.is_global = 1;
             attr.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
-            attr.ah_attr.grh.sgid_index = options.gid_index;
+            attr.ah_attr.grh.sgid_index = self.gid.index;
             attr.ah_attr.grh.hop_limit = 255;
             attr.ah_attr.grh.traffic_class = options.traffic_class;
         }
@@ -595,6 +660,10 @@ impl Nic for IbvNic {
         &self.device
     }
 
+    fn gid(&self) -> GidEntry {
+        self.gid
+    }
+
     unsafe fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> io::Result<Region> {
         let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
         if remote_write {
@@ -676,38 +745,9 @@ impl Nic for IbvNic {
                 | ffi::ibv_qp_attr_mask::IBV_QP_PORT
                 | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
         );
-        let mut gid = ffi::ibv_gid { raw: [0; 16] };
-        let gid_name = || {
-            format!(
-                "GID index {} (NCCL_IB_GID_INDEX) of {}:{}",
-                options.gid_index, self.device.name, self.device.port
-            )
-        };
-        // SAFETY: `ctx` is open and `gid` a valid out-pointer.
-        let gid_rc = unsafe {
-            (self.lib.query_gid)(
-                self.ctx,
-                self.device.port,
-                c_int::from(options.gid_index),
-                &mut gid,
-            )
-        };
         // SAFETY: `qp` is live.
         let qpn = unsafe { (*qp).qp_num };
-        // SAFETY: every bit pattern of the union is a valid byte array.
-        let gid_bytes = unsafe { gid.raw };
-        let gid_ok = if gid_rc != 0 {
-            Err(io::Error::other(format!("{} cannot be read", gid_name())))
-        } else if self.ethernet && gid_bytes == [0; 16] {
-            // RoCE routes by GID: an empty entry would only fail at connection.
-            Err(io::Error::other(format!(
-                "{} is empty (RoCE needs a GID; `show_gids` lists them)",
-                gid_name()
-            )))
-        } else {
-            Ok(())
-        };
-        if let Err(e) = to_init.and(gid_ok) {
+        if let Err(e) = to_init {
             // SAFETY: created above, destroyed once.
             unsafe { (self.lib.destroy_qp)(qp) };
             return Err(e);
@@ -724,7 +764,7 @@ impl Nic for IbvNic {
         Ok(Endpoint {
             qpn,
             lid: self.lid,
-            gid: gid_bytes,
+            gid: self.gid.gid,
             psn,
             mtu: self.active_mtu,
         })
@@ -896,5 +936,17 @@ impl Drop for IbvNic {
             }
             (lib.close_device)(self.ctx);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sysfs_gid_types_give_the_roce_version() {
+        assert_eq!(roce_version("RoCE v2\n"), Some(2));
+        assert_eq!(roce_version("IB/RoCE v1\n"), Some(1));
+        assert_eq!(roce_version(""), None);
     }
 }

@@ -34,6 +34,7 @@
 //! transport runs unchanged over libibverbs ([`ibv`]) and over the in-process fabric the
 //! tests use ([`sim`]).
 
+pub mod gid;
 pub mod ibv;
 pub mod sim;
 pub mod verbs;
@@ -51,6 +52,7 @@ use crate::comm::config::env_first;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::store::wire::{Cursor, Writer};
+use gid::{AddrFamily, AddrRange, GidSelection, choose_gid};
 use verbs::{Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, Region, Remote};
 
 /// Largest slot an RDMA link carries: the byte count travels in 24 bits of the
@@ -69,8 +71,9 @@ pub struct RdmaConfig {
     pub provider: Option<Arc<dyn Provider>>,
     /// Which device ports to use (`NCCL_IB_HCA`): see [`HcaFilter`].
     pub hca: Option<HcaFilter>,
-    /// GID table index (`NCCL_IB_GID_INDEX`, default 0).
-    pub gid_index: u8,
+    /// Which GID the queue pairs use: an index (`NCCL_IB_GID_INDEX`), or, by default,
+    /// chosen by RoCE version, address family and range (see [`gid`]).
+    pub gid: GidSelection,
     /// ACK timeout exponent, 4.096 µs × 2^timeout (`NCCL_IB_TIMEOUT`, 1–31, default 20).
     pub timeout: u8,
     /// Transport retries (`NCCL_IB_RETRY_CNT`, 0–7, default 7).
@@ -89,7 +92,7 @@ impl Default for RdmaConfig {
         RdmaConfig {
             provider: None,
             hca: None,
-            gid_index: 0,
+            gid: GidSelection::default(),
             timeout: 20,
             retry_cnt: 7,
             qps_per_connection: 1,
@@ -107,7 +110,7 @@ impl std::fmt::Debug for RdmaConfig {
                 &self.provider.as_ref().map_or("libibverbs", |_| "custom"),
             )
             .field("hca", &self.hca)
-            .field("gid_index", &self.gid_index)
+            .field("gid", &self.gid)
             .field("timeout", &self.timeout)
             .field("retry_cnt", &self.retry_cnt)
             .field("qps_per_connection", &self.qps_per_connection)
@@ -127,12 +130,12 @@ impl PartialEq for RdmaConfig {
         same_provider
             && self.hca == other.hca
             && (
-                self.gid_index,
+                self.gid,
                 self.timeout,
                 self.retry_cnt,
                 self.qps_per_connection,
             ) == (
-                other.gid_index,
+                other.gid,
                 other.timeout,
                 other.retry_cnt,
                 other.qps_per_connection,
@@ -162,8 +165,75 @@ fn env_int(name: &str, range: std::ops::RangeInclusive<u64>) -> Result<Option<u6
     }
 }
 
+/// `NCCL_IB_GID_INDEX` (a table index; -1, or unset, chooses) and what the choice
+/// looks for: `NCCL_IB_ROCE_VERSION_NUM` (1 or 2), `NCCL_IB_ADDR_FAMILY` (`AF_INET` or
+/// `AF_INET6`) and `NCCL_IB_ADDR_RANGE` (CIDR, of that family), as `var` reads them.
+fn gid_selection(var: impl Fn(&'static str) -> Option<String>) -> Result<GidSelection> {
+    let refuse = |var: &str, detail: String| {
+        Err(Error::Env {
+            var: var.into(),
+            detail,
+        })
+    };
+    if let Some(text) = var("NCCL_IB_GID_INDEX") {
+        match text.trim().parse::<i64>() {
+            Ok(-1) => {}
+            Ok(i) if (0..=255).contains(&i) => return Ok(GidSelection::Index(i as u8)),
+            _ => {
+                return refuse(
+                    "NCCL_IB_GID_INDEX",
+                    format!("{text:?} is not a GID table index 0..=255, or -1 to choose one"),
+                );
+            }
+        }
+    }
+    let roce_version = match var("NCCL_IB_ROCE_VERSION_NUM") {
+        None => 2,
+        Some(text) => match text.trim() {
+            "1" => 1,
+            "2" => 2,
+            _ => {
+                return refuse(
+                    "NCCL_IB_ROCE_VERSION_NUM",
+                    format!("{text:?} is not 1 or 2"),
+                );
+            }
+        },
+    };
+    let family = match var("NCCL_IB_ADDR_FAMILY") {
+        None => AddrFamily::V4,
+        Some(text) => match AddrFamily::parse(&text) {
+            Ok(f) => f,
+            Err(detail) => return refuse("NCCL_IB_ADDR_FAMILY", detail),
+        },
+    };
+    let range = match var("NCCL_IB_ADDR_RANGE") {
+        None => None,
+        Some(text) => match AddrRange::parse(&text) {
+            Ok(r) if r.family() == family => Some(r),
+            Ok(r) => {
+                return refuse(
+                    "NCCL_IB_ADDR_RANGE",
+                    format!(
+                        "{r} is not an {family} range (NCCL_IB_ADDR_FAMILY is {family}); set \
+                         NCCL_IB_ADDR_FAMILY={} for it",
+                        r.family()
+                    ),
+                );
+            }
+            Err(detail) => return refuse("NCCL_IB_ADDR_RANGE", detail),
+        },
+    };
+    Ok(GidSelection::Auto {
+        roce_version,
+        family,
+        range,
+    })
+}
+
 impl RdmaConfig {
-    /// Defaults with `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX`, `NCCL_IB_TIMEOUT`,
+    /// Defaults with `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX` (or `NCCL_IB_ROCE_VERSION_NUM`,
+    /// `NCCL_IB_ADDR_FAMILY` and `NCCL_IB_ADDR_RANGE`), `NCCL_IB_TIMEOUT`,
     /// `NCCL_IB_RETRY_CNT`, `NCCL_IB_QPS_PER_CONNECTION`, `NCCL_IB_TC` and `NCCL_IB_SL`
     /// applied.
     pub fn from_env() -> Result<Self> {
@@ -174,9 +244,7 @@ impl RdmaConfig {
                 detail,
             })?);
         }
-        if let Some(v) = env_int("NCCL_IB_GID_INDEX", 0..=255)? {
-            c.gid_index = v as u8;
-        }
+        c.gid = gid_selection(|name| env_first(&[name]).map(|(_, text)| text))?;
         if let Some(v) = env_int("NCCL_IB_TIMEOUT", 1..=31)? {
             c.timeout = v as u8;
         }
@@ -232,7 +300,7 @@ impl RdmaConfig {
 
     /// Completion queue entries for `links` links carrying FIFOs of `slots` slots: every
     /// work request their queue pairs can have outstanding.
-    pub fn cq_entries(&self, links: usize, slots: usize) -> usize {
+    fn cq_entries(&self, links: usize, slots: usize) -> usize {
         let o = self.qp_options(slots);
         links * self.qps_per_connection * (o.max_send + o.max_recv) as usize
     }
@@ -247,7 +315,6 @@ impl RdmaConfig {
             max_recv: depth,
             timeout: self.timeout,
             retry_cnt: self.retry_cnt,
-            gid_index: self.gid_index,
             traffic_class: self.traffic_class,
             service_level: self.service_level,
         }
@@ -313,13 +380,16 @@ impl HcaFilter {
     }
 }
 
-/// Opens the device port this rank will use: the first (by name, then port) that
-/// `NCCL_IB_HCA` allows. `Err` says why there is none (no libibverbs, no device, all
-/// excluded, the port would not open).
+/// Opens the device port this rank will use for `links` links carrying FIFOs of `slots`
+/// slots: the first port (by name, then port) that `NCCL_IB_HCA` allows, with the GID
+/// [`RdmaConfig::gid`] picks. `Err` says why there is none (no libibverbs, no device, all
+/// excluded, no suitable GID, queues larger than the device allows, the port would not
+/// open).
 pub fn open_nic(
     config: &RdmaConfig,
     owner: usize,
-    cq_entries: usize,
+    links: usize,
+    slots: usize,
 ) -> std::result::Result<Arc<dyn Nic>, String> {
     let provider: Arc<dyn Provider> = match &config.provider {
         Some(p) => p.clone(),
@@ -350,9 +420,41 @@ pub fn open_nic(
             config.hca
         ));
     };
+    let port = format!("RDMA device {}:{}", device.name, device.port);
+    let cq_entries = config.cq_entries(links, slots);
+    if cq_entries > device.max_cqe {
+        return Err(format!(
+            "{port}: {links} link(s) x {} queue pair(s) with FIFOs of {slots} slots need a \
+             completion queue of {cq_entries} entries, more than the device's max_cqe of {}; \
+             fewer channels (NCCL_NCHANNELS), FIFO slots (FERROCCL_SLOTS) or queue pairs \
+             per connection (NCCL_IB_QPS_PER_CONNECTION) need fewer",
+            config.qps_per_connection, device.max_cqe
+        ));
+    }
+    let depth = config.qp_options(slots).max_send as usize;
+    if depth > device.max_qp_wr {
+        return Err(format!(
+            "{port}: FIFOs of {slots} slots need queue pairs of {depth} work requests, more \
+             than the device's max_qp_wr of {}; fewer FIFO slots (FERROCCL_SLOTS) need fewer",
+            device.max_qp_wr
+        ));
+    }
+    let gid = choose_gid(&device.gids, device.ethernet(), &config.gid)
+        .map_err(|e| format!("{port}: {e}"))?;
     provider
-        .open(device, owner, cq_entries)
-        .map_err(|e| format!("opening RDMA device {}:{}: {e}", device.name, device.port))
+        .open(device, owner, cq_entries, gid)
+        .map_err(|e| format!("opening {port}: {e}"))
+}
+
+/// What a rank's log and `ferroccl-topo` say of an opened device port: its name, link
+/// and speed, and on RoCE the GID its queue pairs use.
+pub fn describe(nic: &dyn Nic) -> String {
+    let device = nic.device();
+    if device.ethernet() {
+        format!("{device}, GID {}", nic.gid())
+    } else {
+        device.to_string()
+    }
 }
 
 // Immediate data: 2 bits of kind, 30 of value.
@@ -1281,10 +1383,8 @@ mod tests {
 
     fn dev(name: &str, port: u8) -> DeviceInfo {
         DeviceInfo {
-            name: name.into(),
             port,
-            gbps: 100.0,
-            link_layer: "InfiniBand",
+            ..sim::SimFabric::device(name, "InfiniBand", Vec::new())
         }
     }
 
@@ -1306,6 +1406,59 @@ mod tests {
         assert!(f.allows(&dev("mlx5_0", 1)) && !f.allows(&dev("mlx5_0", 2)));
         for bad in ["", "^", "mlx5_0:x", "mlx5_0:0", ":1", "=,"] {
             assert!(HcaFilter::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_gid_settings_read_as_nccl_reads_them() {
+        let read = |vars: &[(&str, &str)]| {
+            let vars: std::collections::HashMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            gid_selection(|name| vars.get(name).cloned())
+        };
+        assert_eq!(read(&[]).unwrap(), GidSelection::default());
+        assert_eq!(
+            read(&[("NCCL_IB_GID_INDEX", "-1")]).unwrap(),
+            GidSelection::default()
+        );
+        assert_eq!(
+            read(&[
+                ("NCCL_IB_GID_INDEX", "3"),
+                ("NCCL_IB_ROCE_VERSION_NUM", "1")
+            ])
+            .unwrap(),
+            GidSelection::Index(3),
+            "an index wins over what the choice would look for"
+        );
+        assert_eq!(
+            read(&[
+                ("NCCL_IB_ROCE_VERSION_NUM", "1"),
+                ("NCCL_IB_ADDR_FAMILY", "AF_INET6"),
+                ("NCCL_IB_ADDR_RANGE", "fd00::/8"),
+            ])
+            .unwrap(),
+            GidSelection::Auto {
+                roce_version: 1,
+                family: AddrFamily::V6,
+                range: Some(AddrRange::parse("fd00::/8").unwrap()),
+            }
+        );
+        for (vars, named) in [
+            (&[("NCCL_IB_GID_INDEX", "256")][..], "NCCL_IB_GID_INDEX"),
+            (&[("NCCL_IB_GID_INDEX", "x")], "NCCL_IB_GID_INDEX"),
+            (
+                &[("NCCL_IB_ROCE_VERSION_NUM", "3")],
+                "NCCL_IB_ROCE_VERSION_NUM",
+            ),
+            (&[("NCCL_IB_ADDR_FAMILY", "inet")], "NCCL_IB_ADDR_FAMILY"),
+            (&[("NCCL_IB_ADDR_RANGE", "10.0.0.0")], "NCCL_IB_ADDR_RANGE"),
+            // An IPv6 range under the default family AF_INET.
+            (&[("NCCL_IB_ADDR_RANGE", "fd00::/8")], "NCCL_IB_ADDR_RANGE"),
+        ] {
+            let e = read(vars).unwrap_err().to_string();
+            assert!(e.contains(named), "{vars:?}: {e}");
         }
     }
 
@@ -1373,7 +1526,7 @@ mod tests {
     #[test]
     fn without_an_rdma_device_libibverbs_says_why() {
         let present = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|d| d.count() > 0);
-        match open_nic(&RdmaConfig::default(), 0, 64) {
+        match open_nic(&RdmaConfig::default(), 0, 1, 8) {
             Ok(nic) => assert!(
                 present,
                 "opened {:?} without /sys/class/infiniband",

@@ -26,6 +26,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::gid::GidEntry;
 use super::verbs::{
     Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, QpState, Region, Remote,
     WcKind, WcStatus,
@@ -113,12 +114,36 @@ struct Wr {
 impl SimFabric {
     /// A fabric with one device `sim0` (port 1, 100 Gb/s InfiniBand).
     pub fn new() -> Arc<Self> {
-        Self::with_devices(vec![DeviceInfo {
-            name: "sim0".into(),
+        Self::with_devices(vec![Self::device("sim0", "InfiniBand", Vec::new())])
+    }
+
+    /// A device port 1 of 100 Gb/s with the link layer `InfiniBand` or `Ethernet` (RoCE),
+    /// GID table `gids` (on InfiniBand entry 0 is added if missing, as every port has
+    /// one) and a ConnectX's limits (4 194 303 completion queue entries, 32 768 work
+    /// requests per queue).
+    pub fn device(name: &str, link_layer: &'static str, mut gids: Vec<GidEntry>) -> DeviceInfo {
+        if link_layer == "InfiniBand" && !gids.iter().any(|g| g.index == 0) {
+            let mut gid = [0; 16];
+            gid[..2].copy_from_slice(&[0xfe, 0x80]);
+            gid[15] = 1;
+            gids.insert(
+                0,
+                GidEntry {
+                    index: 0,
+                    gid,
+                    roce_version: None,
+                },
+            );
+        }
+        DeviceInfo {
+            name: name.into(),
             port: 1,
             gbps: 100.0,
-            link_layer: "InfiniBand",
-        }])
+            link_layer,
+            gids,
+            max_cqe: 4_194_303,
+            max_qp_wr: 32_768,
+        }
     }
 
     /// A fabric whose hosts each have `devices`.
@@ -208,11 +233,22 @@ impl Provider for SimFabric {
         device: &DeviceInfo,
         owner: usize,
         cq_entries: usize,
+        gid: GidEntry,
     ) -> io::Result<Arc<dyn Nic>> {
         if !self.inner.devices.contains(device) {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
                 format!("no simulated device {}:{}", device.name, device.port),
+            ));
+        }
+        // As ibv_create_cq and ibv_query_gid refuse them.
+        if cq_entries > device.max_cqe {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        if device.ethernet() && !device.gids.contains(&gid) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("GID {gid} is not in the table of {}", device.name),
             ));
         }
         let mut w = self.inner.lock();
@@ -230,6 +266,7 @@ impl Provider for SimFabric {
             inner: self.inner.clone(),
             id,
             device: device.clone(),
+            gid,
         }))
     }
 }
@@ -471,6 +508,7 @@ struct SimNic {
     inner: Arc<Inner>,
     id: u64,
     device: DeviceInfo,
+    gid: GidEntry,
 }
 
 impl SimNic {
@@ -485,6 +523,10 @@ impl SimNic {
 impl Nic for SimNic {
     fn device(&self) -> &DeviceInfo {
         &self.device
+    }
+
+    fn gid(&self) -> GidEntry {
+        self.gid
     }
 
     unsafe fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> io::Result<Region> {
@@ -544,7 +586,7 @@ impl Nic for SimNic {
         Ok(Endpoint {
             qpn,
             lid: self.id as u16,
-            gid: [0; 16],
+            gid: self.gid.gid,
             psn: 0,
             mtu: 5,
         })
@@ -722,7 +764,6 @@ mod tests {
         max_recv: 8,
         timeout: 10,
         retry_cnt: 0,
-        gid_index: 0,
         traffic_class: 0,
         service_level: 0,
     };
@@ -730,9 +771,10 @@ mod tests {
     /// Two devices of one fabric with one connected queue pair each.
     fn pair(fabric: &SimFabric, cq: usize) -> (Arc<dyn Nic>, u32, Arc<dyn Nic>, u32) {
         let dev = fabric.devices().unwrap()[0].clone();
+        let gid = dev.gids[0];
         let (a, b) = (
-            fabric.open(&dev, 0, cq).unwrap(),
-            fabric.open(&dev, 1, cq).unwrap(),
+            fabric.open(&dev, 0, cq, gid).unwrap(),
+            fabric.open(&dev, 1, cq, gid).unwrap(),
         );
         let (ea, eb) = (
             a.create_qp(&OPTIONS).unwrap(),

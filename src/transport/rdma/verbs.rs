@@ -13,6 +13,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::gid::GidEntry;
 use crate::store::wire::{Cursor, Writer};
 
 /// A device port as listed by a [`Provider`].
@@ -26,6 +27,19 @@ pub struct DeviceInfo {
     pub gbps: f64,
     /// `InfiniBand` or `Ethernet` (RoCE).
     pub link_layer: &'static str,
+    /// The port's filled GID table entries, by index.
+    pub gids: Vec<GidEntry>,
+    /// Most entries a completion queue may have (the device's `max_cqe`).
+    pub max_cqe: usize,
+    /// Most outstanding work requests per queue (the device's `max_qp_wr`).
+    pub max_qp_wr: usize,
+}
+
+impl DeviceInfo {
+    /// Whether the link layer is Ethernet (RoCE), where packets are routed by GID.
+    pub fn ethernet(&self) -> bool {
+        self.link_layer == "Ethernet"
+    }
 }
 
 impl fmt::Display for DeviceInfo {
@@ -125,8 +139,6 @@ pub struct QpOptions {
     pub timeout: u8,
     /// Retries before a work request fails with retry-exceeded (`NCCL_IB_RETRY_CNT`).
     pub retry_cnt: u8,
-    /// GID table index (`NCCL_IB_GID_INDEX`).
-    pub gid_index: u8,
     /// Traffic class of RoCE packets (`NCCL_IB_TC`).
     pub traffic_class: u8,
     /// InfiniBand service level (`NCCL_IB_SL`).
@@ -239,6 +251,9 @@ pub trait Nic: Send + Sync {
     /// The device and port.
     fn device(&self) -> &DeviceInfo;
 
+    /// The GID table entry its queue pairs use.
+    fn gid(&self) -> GidEntry;
+
     /// Registers `len` bytes at `addr` for local use, and for peers' writes if
     /// `remote_write`.
     ///
@@ -297,13 +312,15 @@ pub trait Provider: Send + Sync + fmt::Debug {
     fn devices(&self) -> io::Result<Vec<DeviceInfo>>;
 
     /// Opens `device` for rank `owner` (the owner only labels it, in logs and tests),
-    /// with a completion queue of at least `cq_entries` entries: enough for every work
-    /// request its queue pairs can have outstanding, or the queue overruns (a fatal
-    /// error of the device context).
+    /// with a completion queue of at least `cq_entries` entries (at most the device's
+    /// `max_cqe`): enough for every work request its queue pairs can have outstanding, or
+    /// the queue overruns (a fatal error of the device context). Its queue pairs use
+    /// `gid`, an entry of the device's table.
     fn open(
         &self,
         device: &DeviceInfo,
         owner: usize,
         cq_entries: usize,
+        gid: GidEntry,
     ) -> io::Result<Arc<dyn Nic>>;
 }
