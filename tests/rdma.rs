@@ -18,7 +18,7 @@ use ferroccl::transport::NetChoice;
 use ferroccl::transport::rdma::gid::{AddrFamily, AddrRange, GidEntry, GidSelection};
 use ferroccl::transport::rdma::sim::{Fault, SimFabric};
 use ferroccl::transport::rdma::verbs::{DeviceInfo, Provider, QpOptions};
-use ferroccl::transport::rdma::{RdmaConfig, describe, open_nic};
+use ferroccl::transport::rdma::{HcaFilter, RdmaConfig, describe, open_nic};
 use ferroccl::tune::LinkCost;
 use ferroccl::{Communicator, DataType, Error, ReduceOp};
 
@@ -407,6 +407,45 @@ fn gid(index: u8, addr: &str, roce_version: u8) -> GidEntry {
     }
 }
 
+/// On hosts with two NICs the ranks of a host take them in turn (local rank 0 the first,
+/// 1 the second), so that both carry traffic; `NCCL_IB_HCA` narrows the list.
+#[test]
+fn the_ranks_of_a_host_spread_over_its_nics() {
+    let two_nics = || {
+        SimFabric::with_devices(vec![
+            SimFabric::device("sim1", "InfiniBand", Vec::new()),
+            SimFabric::device("sim0", "InfiniBand", Vec::new()),
+        ])
+    };
+    let fabric = two_nics();
+    let comms = start(&fabric, 2, 2, &small_fifos(1));
+    let port = |p: &str| p.to_string();
+    assert_eq!(
+        fabric.opened_by_owner(),
+        vec![
+            (0, port("sim0:1")),
+            (1, port("sim1:1")),
+            (2, port("sim0:1")),
+            (3, port("sim1:1")),
+        ]
+    );
+    common::check_grid(
+        &comms,
+        &[DataType::Int32, DataType::Float64],
+        &[0, 1, 1023, 65_537],
+        "on 2x2 hosts over two NICs each",
+    );
+    drop(comms);
+    assert_nothing_left(&fabric);
+    let fabric = two_nics();
+    let mut config = small_fifos(1);
+    config.rdma.hca = Some(HcaFilter::parse("=sim1").unwrap());
+    let comms = start(&fabric, 2, 2, &config);
+    assert!(fabric.opened_by_owner().iter().all(|(_, p)| p == "sim1:1"));
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
 /// A RoCE port's GID table as a ConnectX shows it for one IPv4 address: link-local v1
 /// and v2 entries, then the IPv4 address as v1 (index 2) and v2 (index 3).
 fn roce_table() -> Vec<GidEntry> {
@@ -428,7 +467,7 @@ fn roce_ports_use_the_ipv4_roce_v2_gid() {
         provider: Some(fabric.clone()),
         ..RdmaConfig::default()
     };
-    let nic = open_nic(&config, 0, 1, 8).unwrap();
+    let nic = open_nic(&config, 0, 0, 1, 8).unwrap();
     assert_eq!(nic.gid(), roce_table()[3]);
     assert_eq!(
         describe(nic.as_ref()),
@@ -470,7 +509,7 @@ fn roce_ports_use_the_ipv4_roce_v2_gid() {
             gid,
             ..config.clone()
         };
-        assert_eq!(open_nic(&config, 0, 1, 8).unwrap().gid().index, index);
+        assert_eq!(open_nic(&config, 0, 0, 1, 8).unwrap().gid().index, index);
     }
 }
 
@@ -617,7 +656,7 @@ fn user_buffers_are_registered_through_a_cache() {
 #[test]
 fn the_collective_grid_on_a_real_rdma_device() {
     let config = RdmaConfig::from_env().unwrap();
-    let nic = match open_nic(&config, 0, 1, 8) {
+    let nic = match open_nic(&config, 0, 0, 1, 8) {
         Ok(nic) => nic,
         Err(why) => {
             eprintln!("SKIPPED the_collective_grid_on_a_real_rdma_device: {why}");

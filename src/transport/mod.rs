@@ -121,14 +121,28 @@ pub struct TransportConfig {
     pub rdma: rdma::RdmaConfig,
 }
 
-/// The RDMA device port the ranks of this host would use for peers on other hosts, as
-/// the transport picks it (the first port that `NCCL_IB_HCA` allows), or why there is
-/// none. For `ferroccl-topo`.
+/// The RDMA device ports the ranks of this host would use for peers on other hosts, as
+/// the transport picks them (the ports that `NCCL_IB_HCA` allows, taken in turn by
+/// local rank), or why there is none. For `ferroccl-topo`.
 pub fn rdma_device_here() -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
         let config = rdma::RdmaConfig::from_env().map_err(|e| e.to_string())?;
-        rdma::open_nic(&config, 0, 1, 8).map(|nic| rdma::describe(nic.as_ref()))
+        let (_, allowed) = rdma::allowed_ports(&config)?;
+        let first = rdma::open_nic(&config, 0, 0, 1, 8).map(|nic| rdma::describe(nic.as_ref()))?;
+        Ok(if allowed.len() > 1 {
+            let ports: Vec<String> = allowed
+                .iter()
+                .map(|d| format!("{}:{}", d.name, d.port))
+                .collect();
+            format!(
+                "{first} for local rank 0; the ranks of a host take the {} ports in turn: {}",
+                ports.len(),
+                ports.join(", ")
+            )
+        } else {
+            first
+        })
     }
     #[cfg(not(feature = "rdma"))]
     Err("ferroccl was built without the `rdma` feature".into())
@@ -354,8 +368,10 @@ impl Connections {
         let wants_rdma = config.choice != TransportChoice::Tcp
             && config.net != NetChoice::Socket
             && (0..nranks).any(|r| hosts[r] != hosts[rank]);
+        // This rank's place among the ranks of its host: they take the RDMA ports in turn.
+        let local_rank = (0..rank).filter(|&r| hosts[r] == hosts[rank]).count();
         #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
-        let mut net = NetDevice::open(config, rank, wants_rdma);
+        let mut net = NetDevice::open(config, rank, local_rank, wants_rdma);
         let mut hello = rand::random::<[u8; 8]>().to_vec();
         hello.push(u8::from(net.usable()));
         let rdma_flag_at = hello.len() - 1;
@@ -1023,8 +1039,9 @@ struct NetDevice {
 
 impl NetDevice {
     /// Opens this rank's device if it `wants` one (it has peers on other hosts and the
-    /// configuration allows RDMA).
-    fn open(config: &TransportConfig, rank: usize, wants: bool) -> Self {
+    /// configuration allows RDMA): the port its `local_rank` takes (see
+    /// [`rdma::open_nic`]).
+    fn open(config: &TransportConfig, rank: usize, local_rank: usize, wants: bool) -> Self {
         let mut d = NetDevice {
             #[cfg(feature = "rdma")]
             nic: None,
@@ -1043,7 +1060,7 @@ impl NetDevice {
                     .rings
                     .first()
                     .map_or(0, |r| r.len().saturating_sub(1));
-            match rdma::open_nic(&config.rdma, rank, links, config.geometry.slots) {
+            match rdma::open_nic(&config.rdma, rank, local_rank, links, config.geometry.slots) {
                 Ok(nic) => {
                     d.device = Some(rdma::describe(nic.as_ref()));
                     d.gbps = nic.device().gbps;
@@ -1054,7 +1071,7 @@ impl NetDevice {
         }
         #[cfg(not(feature = "rdma"))]
         {
-            let _ = (config, rank);
+            let _ = (config, rank, local_rank);
             d.unusable = Some("ferroccl was built without the `rdma` feature".into());
         }
         d

@@ -380,17 +380,12 @@ impl HcaFilter {
     }
 }
 
-/// Opens the device port this rank will use for `links` links carrying FIFOs of `slots`
-/// slots: the first port (by name, then port) that `NCCL_IB_HCA` allows, with the GID
-/// [`RdmaConfig::gid`] picks. `Err` says why there is none (no libibverbs, no device, all
-/// excluded, no suitable GID, queues larger than the device allows, the port would not
-/// open).
-pub fn open_nic(
+/// The device ports `NCCL_IB_HCA` allows, in name and port order (the order in which the
+/// ranks of a host take them), with their provider. `Err` says why there is none (no
+/// libibverbs, no device, all excluded).
+pub fn allowed_ports(
     config: &RdmaConfig,
-    owner: usize,
-    links: usize,
-    slots: usize,
-) -> std::result::Result<Arc<dyn Nic>, String> {
+) -> std::result::Result<(Arc<dyn Provider>, Vec<DeviceInfo>), String> {
     let provider: Arc<dyn Provider> = match &config.provider {
         Some(p) => p.clone(),
         None => Arc::new(ibv::Libibverbs::load()?),
@@ -404,13 +399,13 @@ pub fn open_nic(
     if devices.is_empty() {
         return Err("no RDMA device found".into());
     }
-    // In name and port order, so that every rank of a host picks the same port.
-    let mut allowed: Vec<&DeviceInfo> = devices
+    let mut allowed: Vec<DeviceInfo> = devices
         .iter()
         .filter(|d| config.hca.as_ref().is_none_or(|f| f.allows(d)))
+        .cloned()
         .collect();
     allowed.sort_by(|a, b| (&a.name, a.port).cmp(&(&b.name, b.port)));
-    let Some(device) = allowed.first() else {
+    if allowed.is_empty() {
         let names: Vec<String> = devices
             .iter()
             .map(|d| format!("{}:{}", d.name, d.port))
@@ -419,7 +414,25 @@ pub fn open_nic(
             "NCCL_IB_HCA={:?} allows none of the RDMA devices {names:?}",
             config.hca
         ));
-    };
+    }
+    Ok((provider, allowed))
+}
+
+/// Opens the device port this rank will use for `links` links carrying FIFOs of `slots`
+/// slots: the ranks of a host take the ports [`allowed_ports`] lists in turn (local rank
+/// `i` the `i mod n`th), so that a host with several NICs uses them all; the GID is the
+/// one [`RdmaConfig::gid`] picks. `Err` says why there is none (see [`allowed_ports`];
+/// also no suitable GID, queues larger than the device allows, the port would not
+/// open).
+pub fn open_nic(
+    config: &RdmaConfig,
+    owner: usize,
+    local_rank: usize,
+    links: usize,
+    slots: usize,
+) -> std::result::Result<Arc<dyn Nic>, String> {
+    let (provider, allowed) = allowed_ports(config)?;
+    let device = &allowed[local_rank % allowed.len()];
     let port = format!("RDMA device {}:{}", device.name, device.port);
     let cq_entries = config.cq_entries(links, slots);
     if cq_entries > device.max_cqe {
@@ -1526,7 +1539,7 @@ mod tests {
     #[test]
     fn without_an_rdma_device_libibverbs_says_why() {
         let present = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|d| d.count() > 0);
-        match open_nic(&RdmaConfig::default(), 0, 1, 8) {
+        match open_nic(&RdmaConfig::default(), 0, 0, 1, 8) {
             Ok(nic) => assert!(
                 present,
                 "opened {:?} without /sys/class/infiniband",

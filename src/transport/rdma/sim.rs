@@ -78,6 +78,8 @@ struct World {
 #[derive(Debug, Default)]
 struct NicRec {
     owner: usize,
+    /// `name:port` of the device opened.
+    port: String,
     /// Completion queue entries; one more completion overruns it.
     cq_capacity: usize,
     /// Set once the queue overran: the device context is unusable.
@@ -211,6 +213,19 @@ impl SimFabric {
     pub fn open_devices(&self) -> usize {
         self.inner.lock().nics.len()
     }
+
+    /// The opened devices' owners and ports (`name:port`), by owner.
+    pub fn opened_by_owner(&self) -> Vec<(usize, String)> {
+        let mut opened: Vec<(usize, String)> = self
+            .inner
+            .lock()
+            .nics
+            .values()
+            .map(|n| (n.owner, n.port.clone()))
+            .collect();
+        opened.sort();
+        opened
+    }
 }
 
 impl Drop for SimFabric {
@@ -258,6 +273,7 @@ impl Provider for SimFabric {
             id,
             NicRec {
                 owner,
+                port: format!("{}:{}", device.name, device.port),
                 cq_capacity: cq_entries.max(1),
                 ..NicRec::default()
             },
