@@ -388,13 +388,15 @@ fn rdma_endpoints_and_hca_lists() {
         any::<[u8; 16]>(),
         any::<u32>(),
         1u32..=5,
+        any::<bool>(),
     )
-        .prop_map(|(qpn, lid, gid, psn, mtu)| Endpoint {
+        .prop_map(|(qpn, lid, gid, psn, mtu, ethernet)| Endpoint {
             qpn,
             lid,
             gid,
             psn,
             mtu,
+            ethernet,
         });
     fuzz("rdma endpoint round trip", endpoint.clone(), |e| {
         let mut w = Writer::default();

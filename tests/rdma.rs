@@ -363,14 +363,14 @@ fn a_vanished_peer_is_found_by_the_probes() {
 }
 
 /// What each of 2 ranks on hosts of their own gets from initialising with
-/// `NCCL_NET=IB` over `fabric` and `config`, which must fail.
-fn init_errors(fabric: &Arc<SimFabric>, config: &CommConfig) -> Vec<String> {
+/// `NCCL_NET=IB` over `fabric`, rank r with `config_of(r)`, which must fail.
+fn init_errors(fabric: &Arc<SimFabric>, config_of: impl Fn(usize) -> CommConfig) -> Vec<String> {
     let store = HashStore::new();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 let store: Arc<dyn Store> = Arc::new(store.clone());
-                let mut config = config.clone();
+                let mut config = config_of(rank);
                 config.net = NetChoice::Ib;
                 config.rdma.provider = Some(fabric.clone());
                 config.bootstrap.host_id = Some(format!("h{rank}"));
@@ -388,7 +388,7 @@ fn init_errors(fabric: &Arc<SimFabric>, config: &CommConfig) -> Vec<String> {
 
 #[test]
 fn nccl_net_ib_without_a_device_names_the_rank() {
-    let errors = init_errors(&SimFabric::with_devices(Vec::new()), &small_fifos(1));
+    let errors = init_errors(&SimFabric::with_devices(Vec::new()), |_| small_fifos(1));
     for e in &errors {
         assert!(e.contains("NCCL_NET=IB") && e.contains("rank 0"), "{e}");
     }
@@ -407,28 +407,40 @@ fn gid(index: u8, addr: &str, roce_version: u8) -> GidEntry {
     }
 }
 
-/// On hosts with two NICs the ranks of a host take them in turn (local rank 0 the first,
-/// 1 the second), so that both carry traffic; `NCCL_IB_HCA` narrows the list.
+/// On hosts with several NICs every rank uses the first allowed port (in natural name
+/// order: `sim2` before `sim10`), which reaches every peer's on any fabric; with
+/// `FERROCCL_IB_SPREAD=1` the ranks of a host take the ports of the first one's kind and
+/// speed in turn (not the slower or other-kind ones), so that all carry traffic.
 #[test]
-fn the_ranks_of_a_host_spread_over_its_nics() {
-    let two_nics = || {
+fn the_ranks_of_a_host_share_or_spread_over_its_nics() {
+    let nics = || {
         SimFabric::with_devices(vec![
-            SimFabric::device("sim1", "InfiniBand", Vec::new()),
-            SimFabric::device("sim0", "InfiniBand", Vec::new()),
+            SimFabric::device("sim10", "InfiniBand", Vec::new()),
+            SimFabric::device("sim2", "InfiniBand", Vec::new()),
+            DeviceInfo {
+                gbps: 25.0,
+                ..SimFabric::device("sim3", "InfiniBand", Vec::new())
+            },
+            SimFabric::device("sim4", "Ethernet", roce_table()),
         ])
     };
-    let fabric = two_nics();
+    let opened = |fabric: &SimFabric| -> Vec<String> {
+        fabric
+            .opened_by_owner()
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
+    };
+    let fabric = nics();
     let comms = start(&fabric, 2, 2, &small_fifos(1));
-    let port = |p: &str| p.to_string();
-    assert_eq!(
-        fabric.opened_by_owner(),
-        vec![
-            (0, port("sim0:1")),
-            (1, port("sim1:1")),
-            (2, port("sim0:1")),
-            (3, port("sim1:1")),
-        ]
-    );
+    assert_eq!(opened(&fabric), ["sim2:1", "sim2:1", "sim2:1", "sim2:1"]);
+    drop(comms);
+    assert_nothing_left(&fabric);
+    let fabric = nics();
+    let mut config = small_fifos(1);
+    config.rdma.spread_ports = true;
+    let comms = start(&fabric, 2, 2, &config);
+    assert_eq!(opened(&fabric), ["sim2:1", "sim10:1", "sim2:1", "sim10:1"]);
     common::check_grid(
         &comms,
         &[DataType::Int32, DataType::Float64],
@@ -437,12 +449,43 @@ fn the_ranks_of_a_host_spread_over_its_nics() {
     );
     drop(comms);
     assert_nothing_left(&fabric);
-    let fabric = two_nics();
-    let mut config = small_fifos(1);
-    config.rdma.hca = Some(HcaFilter::parse("=sim1").unwrap());
+    let fabric = nics();
+    config.rdma.hca = Some(HcaFilter::parse("=sim10").unwrap());
     let comms = start(&fabric, 2, 2, &config);
-    assert!(fabric.opened_by_owner().iter().all(|(_, p)| p == "sim1:1"));
+    assert_eq!(opened(&fabric), ["sim10:1"; 4]);
     drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// A RoCE port and an InfiniBand port cannot connect: ranks whose chosen ports differ in
+/// kind fail at initialisation, naming the peer and both kinds, instead of timing out
+/// on the first write.
+#[test]
+fn roce_and_infiniband_ports_are_refused_by_name() {
+    let fabric = SimFabric::with_devices(vec![
+        SimFabric::device("ib0", "InfiniBand", Vec::new()),
+        SimFabric::device("roce0", "Ethernet", roce_table()),
+    ]);
+    let errors = init_errors(&fabric, |rank| {
+        let mut config = small_fifos(1);
+        config.rdma.hca = Some(HcaFilter::parse(["=ib0", "=roce0"][rank]).unwrap());
+        config
+    });
+    assert!(
+        errors[0].contains("rank 1") && errors[0].contains("its RDMA port is RoCE"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[0].contains("this rank's is ib0:1 (InfiniBand, 100 Gb/s): they cannot connect"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("rank 0") && errors[1].contains("its RDMA port is InfiniBand"),
+        "{}",
+        errors[1]
+    );
     assert_nothing_left(&fabric);
 }
 
@@ -522,7 +565,7 @@ fn a_roce_port_without_a_suitable_gid_is_named() {
         "Ethernet",
         roce_table()[..2].to_vec(),
     )]);
-    let errors = init_errors(&fabric, &small_fifos(1));
+    let errors = init_errors(&fabric, |_| small_fifos(1));
     for e in &errors {
         assert!(e.contains("NCCL_NET=IB") && e.contains("rank 0"), "{e}");
     }
@@ -552,7 +595,7 @@ fn queues_beyond_the_device_limits_are_named() {
     // 2 channels and the point-to-point one, 1 peer, FIFOs of 4 slots: 3 links of
     // 2 x (2 x 4 + 4) entries = 72.
     let fabric = limited(71, 1024);
-    let errors = init_errors(&fabric, &small_fifos(2));
+    let errors = init_errors(&fabric, |_| small_fifos(2));
     let e = &errors[0];
     assert!(
         e.contains("completion queue of 72 entries") && e.contains("max_cqe of 71"),
@@ -567,7 +610,7 @@ fn queues_beyond_the_device_limits_are_named() {
     drop(start(&fabric, 2, 1, &small_fifos(2)));
     assert_nothing_left(&fabric);
     let fabric = limited(1 << 20, 11);
-    let e = &init_errors(&fabric, &small_fifos(1))[0];
+    let e = &init_errors(&fabric, |_| small_fifos(1))[0];
     assert!(
         e.contains("queue pairs of 12 work requests") && e.contains("max_qp_wr of 11"),
         "{e}"

@@ -122,21 +122,23 @@ pub struct TransportConfig {
 }
 
 /// The RDMA device ports the ranks of this host would use for peers on other hosts, as
-/// the transport picks them (the ports that `NCCL_IB_HCA` allows, taken in turn by
-/// local rank), or why there is none. For `ferroccl-topo`.
+/// the transport picks them (see [`rdma::open_nic`]), or why there is none. For
+/// `ferroccl-topo`.
 pub fn rdma_device_here() -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
         let config = rdma::RdmaConfig::from_env().map_err(|e| e.to_string())?;
         let (_, allowed) = rdma::allowed_ports(&config)?;
+        let in_turn = rdma::ports_in_turn(&config, &allowed);
         let first = rdma::open_nic(&config, 0, 0, 1, 8).map(|nic| rdma::describe(nic.as_ref()))?;
-        Ok(if allowed.len() > 1 {
-            let ports: Vec<String> = allowed
+        Ok(if in_turn.len() > 1 {
+            let ports: Vec<String> = in_turn
                 .iter()
                 .map(|d| format!("{}:{}", d.name, d.port))
                 .collect();
             format!(
-                "{first} for local rank 0; the ranks of a host take the {} ports in turn: {}",
+                "{first} for local rank 0; the ranks of a host take the {} ports in turn \
+                 (FERROCCL_IB_SPREAD=1): {}",
                 ports.len(),
                 ports.join(", ")
             )

@@ -237,23 +237,29 @@ pub fn choose_gid(
             roce_version,
             family,
             range,
-        } => table
-            .iter()
-            .find(|e| {
+        } => {
+            // An entry's version unknown (sysfs unreadable) matches only when no entry's
+            // is known: else a RoCE v1 entry could be taken for a v2 one.
+            let versions_known = table.iter().any(|e| e.roce_version.is_some());
+            table.iter().find(|e| {
                 let ip = e.address();
                 !e.link_local()
-                    && e.roce_version.is_none_or(|v| v == roce_version)
+                    && match e.roce_version {
+                        Some(v) => v == roce_version,
+                        None => !versions_known,
+                    }
                     && family.holds(ip)
                     && range.is_none_or(|r| r.contains(ip))
             })
-            .copied()
-            .ok_or_else(|| {
-                format!(
-                    "no GID is {selection} ({}); set NCCL_IB_GID_INDEX, or \
+        }
+        .copied()
+        .ok_or_else(|| {
+            format!(
+                "no GID is {selection} ({}); set NCCL_IB_GID_INDEX, or \
                      NCCL_IB_ROCE_VERSION_NUM / NCCL_IB_ADDR_FAMILY / NCCL_IB_ADDR_RANGE",
-                    listed()
-                )
-            }),
+                listed()
+            )
+        }),
     }
 }
 
@@ -332,14 +338,13 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_roce_version_matches_any() {
-        let t = vec![entry(7, "10.0.0.5", None)];
-        assert_eq!(
-            choose_gid(&t, true, &GidSelection::default())
-                .unwrap()
-                .index,
-            7
-        );
+    fn an_unknown_roce_version_matches_only_when_no_version_is_known() {
+        let pick = |t: &[GidEntry]| choose_gid(t, true, &GidSelection::default()).map(|e| e.index);
+        assert_eq!(pick(&[entry(7, "10.0.0.5", None)]), Ok(7));
+        // With versions known for some entries, an unknown one is not taken for v2.
+        let t = [entry(2, "10.0.0.5", None), entry(3, "10.0.0.5", Some(2))];
+        assert_eq!(pick(&t), Ok(3));
+        assert!(pick(&[entry(2, "10.0.0.5", None), entry(3, "fe80::1", Some(2))]).is_err());
     }
 
     #[test]

@@ -284,12 +284,17 @@ impl Provider for Libibverbs {
                 }
                 let mut limits = ffi::ibv_device_attr::default();
                 // SAFETY: `ctx` is open and `limits` a valid out-pointer.
-                if unsafe { (lib.query_device)(ctx, &mut limits) } != 0 {
-                    // SAFETY: opened above, closed once.
-                    unsafe { (lib.close_device)(ctx) };
-                    continue;
+                let queried = unsafe { (lib.query_device)(ctx, &mut limits) } == 0;
+                if !queried {
+                    // The device stays usable; its limits count as unknown (0).
+                    tracing::info!(
+                        "ibv_query_device({name}) failed ({}): its queue limits are unknown",
+                        io::Error::last_os_error()
+                    );
+                    limits = ffi::ibv_device_attr::default();
                 }
-                for port in 1..=8u8 {
+                let ports = if queried { limits.phys_port_cnt } else { 8 };
+                for port in 1..=ports {
                     let mut attr = ffi::ibv_port_attr::default();
                     // SAFETY: `ctx` is open and `attr` a valid out-pointer of the full
                     // struct (the exported symbol fills its compatible prefix).
@@ -431,6 +436,13 @@ impl IbvNic {
                 libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
             }
         }
+        // The GID was read when the devices were listed: an address that changed since
+        // would be announced to peers under an index that no longer holds it.
+        let mut now = ffi::ibv_gid { raw: [0; 16] };
+        // SAFETY: `ctx` is open and `now` a valid out-pointer.
+        let gid_rc = unsafe { (lib.query_gid)(ctx, device.port, c_int::from(gid.index), &mut now) };
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        let changed = gid_rc != 0 || unsafe { now.raw } != gid.gid;
         let nic = IbvNic {
             lib,
             device,
@@ -447,6 +459,13 @@ impl IbvNic {
             regions: Mutex::new(HashMap::new()),
             armed: AtomicBool::new(false),
         };
+        if changed && nic.ethernet {
+            return Err(io::Error::other(format!(
+                "rank {owner}: GID {gid} of {}:{} changed while the device was opened (an \
+                 address changed?); try again, or set NCCL_IB_GID_INDEX",
+                nic.device.name, nic.device.port
+            )));
+        }
         if pd.is_null() || channel.is_null() || nic.cq.is_null() || wake < 0 {
             return Err(io::Error::other(format!(
                 "rank {owner}: setting up {}:{} failed (protection domain, completion \
@@ -767,6 +786,7 @@ impl Nic for IbvNic {
             gid: self.gid.gid,
             psn,
             mtu: self.active_mtu,
+            ethernet: self.ethernet,
         })
     }
 

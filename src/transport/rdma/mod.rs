@@ -85,6 +85,11 @@ pub struct RdmaConfig {
     pub traffic_class: u8,
     /// InfiniBand service level (`NCCL_IB_SL`, 0–15, default 0).
     pub service_level: u8,
+    /// Whether the ranks of a host take the allowed ports in turn (`FERROCCL_IB_SPREAD=1`)
+    /// rather than all using the first. Only for fabrics where every port reaches every
+    /// other (one InfiniBand subnet, routed RoCE v2): on rail-separated networks a rank's
+    /// port could not reach its peer's.
+    pub spread_ports: bool,
 }
 
 impl Default for RdmaConfig {
@@ -98,6 +103,7 @@ impl Default for RdmaConfig {
             qps_per_connection: 1,
             traffic_class: 0,
             service_level: 0,
+            spread_ports: false,
         }
     }
 }
@@ -116,6 +122,7 @@ impl std::fmt::Debug for RdmaConfig {
             .field("qps_per_connection", &self.qps_per_connection)
             .field("traffic_class", &self.traffic_class)
             .field("service_level", &self.service_level)
+            .field("spread_ports", &self.spread_ports)
             .finish()
     }
 }
@@ -140,8 +147,8 @@ impl PartialEq for RdmaConfig {
                 other.retry_cnt,
                 other.qps_per_connection,
             )
-            && (self.traffic_class, self.service_level)
-                == (other.traffic_class, other.service_level)
+            && (self.traffic_class, self.service_level, self.spread_ports)
+                == (other.traffic_class, other.service_level, other.spread_ports)
     }
 }
 
@@ -235,7 +242,7 @@ impl RdmaConfig {
     /// Defaults with `NCCL_IB_HCA`, `NCCL_IB_GID_INDEX` (or `NCCL_IB_ROCE_VERSION_NUM`,
     /// `NCCL_IB_ADDR_FAMILY` and `NCCL_IB_ADDR_RANGE`), `NCCL_IB_TIMEOUT`,
     /// `NCCL_IB_RETRY_CNT`, `NCCL_IB_QPS_PER_CONNECTION`, `NCCL_IB_TC` and `NCCL_IB_SL`
-    /// applied.
+    /// applied, and `FERROCCL_IB_SPREAD`.
     pub fn from_env() -> Result<Self> {
         let mut c = RdmaConfig::default();
         if let Some((var, text)) = env_first(&["NCCL_IB_HCA"]) {
@@ -262,6 +269,9 @@ impl RdmaConfig {
         }
         if let Some(v) = env_int("NCCL_IB_SL", 0..=15)? {
             c.service_level = v as u8;
+        }
+        if let Some(v) = env_int("FERROCCL_IB_SPREAD", 0..=1)? {
+            c.spread_ports = v == 1;
         }
         Ok(c)
     }
@@ -380,6 +390,12 @@ impl HcaFilter {
     }
 }
 
+/// A device name as people order them: `mlx5_2` before `mlx5_10`.
+fn natural_key(name: &str) -> (&str, u64) {
+    let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
+    (stem, name[stem.len()..].parse().unwrap_or(0))
+}
+
 /// The device ports `NCCL_IB_HCA` allows, in name and port order (the order in which the
 /// ranks of a host take them), with their provider. `Err` says why there is none (no
 /// libibverbs, no device, all excluded).
@@ -404,7 +420,7 @@ pub fn allowed_ports(
         .filter(|d| config.hca.as_ref().is_none_or(|f| f.allows(d)))
         .cloned()
         .collect();
-    allowed.sort_by(|a, b| (&a.name, a.port).cmp(&(&b.name, b.port)));
+    allowed.sort_by(|a, b| (natural_key(&a.name), a.port).cmp(&(natural_key(&b.name), b.port)));
     if allowed.is_empty() {
         let names: Vec<String> = devices
             .iter()
@@ -418,10 +434,24 @@ pub fn allowed_ports(
     Ok((provider, allowed))
 }
 
+/// The ports the ranks of a host use, in the order they take them: the first allowed
+/// port, or with [`RdmaConfig::spread_ports`] every allowed port of the first one's link
+/// layer and of the highest speed among those (not a slower management NIC).
+pub fn ports_in_turn(config: &RdmaConfig, allowed: &[DeviceInfo]) -> Vec<DeviceInfo> {
+    let Some(first) = allowed.first() else {
+        return Vec::new();
+    };
+    if !config.spread_ports {
+        return vec![first.clone()];
+    }
+    let same_kind = allowed.iter().filter(|d| d.link_layer == first.link_layer);
+    let fastest = same_kind.clone().map(|d| d.gbps).fold(0.0, f64::max);
+    same_kind.filter(|d| d.gbps == fastest).cloned().collect()
+}
+
 /// Opens the device port this rank will use for `links` links carrying FIFOs of `slots`
-/// slots: the ranks of a host take the ports [`allowed_ports`] lists in turn (local rank
-/// `i` the `i mod n`th), so that a host with several NICs uses them all; the GID is the
-/// one [`RdmaConfig::gid`] picks. `Err` says why there is none (see [`allowed_ports`];
+/// slots: the `local_rank mod n`th of [`ports_in_turn`] (so by default the first allowed
+/// port), with the GID [`RdmaConfig::gid`] picks. `Err` says why there is none (see [`allowed_ports`];
 /// also no suitable GID, queues larger than the device allows, the port would not
 /// open).
 pub fn open_nic(
@@ -432,10 +462,12 @@ pub fn open_nic(
     slots: usize,
 ) -> std::result::Result<Arc<dyn Nic>, String> {
     let (provider, allowed) = allowed_ports(config)?;
-    let device = &allowed[local_rank % allowed.len()];
+    let ports = ports_in_turn(config, &allowed);
+    let device = &ports[local_rank % ports.len()];
     let port = format!("RDMA device {}:{}", device.name, device.port);
     let cq_entries = config.cq_entries(links, slots);
-    if cq_entries > device.max_cqe {
+    // A limit of 0 is one the device did not report.
+    if device.max_cqe > 0 && cq_entries > device.max_cqe {
         return Err(format!(
             "{port}: {links} link(s) x {} queue pair(s) with FIFOs of {slots} slots need a \
              completion queue of {cq_entries} entries, more than the device's max_cqe of {}; \
@@ -444,8 +476,9 @@ pub fn open_nic(
             config.qps_per_connection, device.max_cqe
         ));
     }
-    let depth = config.qp_options(slots).max_send as usize;
-    if depth > device.max_qp_wr {
+    let options = config.qp_options(slots);
+    let depth = options.max_send.max(options.max_recv) as usize;
+    if device.max_qp_wr > 0 && depth > device.max_qp_wr {
         return Err(format!(
             "{port}: FIFOs of {slots} slots need queue pairs of {depth} work requests, more \
              than the device's max_qp_wr of {}; fewer FIFO slots (FERROCCL_SLOTS) need fewer",
@@ -1037,6 +1070,20 @@ impl RdmaNet {
                              (NCCL_IB_QPS_PER_CONNECTION must be the same everywhere)",
                             endpoints.len(),
                             p.endpoints.len()
+                        ),
+                    });
+                }
+                if let Some(theirs) = endpoints.first()
+                    && theirs.ethernet != nic.device().ethernet()
+                {
+                    let kind = |ethernet| if ethernet { "RoCE" } else { "InfiniBand" };
+                    return Err(Error::BootstrapData {
+                        rank: spec.peer,
+                        detail: format!(
+                            "its RDMA port is {}, this rank's is {}: they cannot connect \
+                             (NCCL_IB_HCA can choose ports of one kind)",
+                            kind(theirs.ethernet),
+                            describe(nic.as_ref()),
                         ),
                     });
                 }

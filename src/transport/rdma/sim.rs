@@ -605,6 +605,7 @@ impl Nic for SimNic {
             gid: self.gid.gid,
             psn: 0,
             mtu: 5,
+            ethernet: self.device.ethernet(),
         })
     }
 

@@ -91,6 +91,8 @@ pub struct Endpoint {
     /// The port's active MTU (`ibv_mtu`: 1 = 256 B … 5 = 4096 B); a connection uses the
     /// smaller of both ends'.
     pub mtu: u32,
+    /// Whether the port is RoCE (Ethernet) rather than InfiniBand: the two cannot connect.
+    pub ethernet: bool,
 }
 
 impl Endpoint {
@@ -100,7 +102,8 @@ impl Endpoint {
             .u32(u32::from(self.lid))
             .bytes(&self.gid)
             .u32(self.psn)
-            .u32(self.mtu);
+            .u32(self.mtu)
+            .u32(u32::from(self.ethernet));
     }
 
     /// Reads [`Endpoint::encode`]'s form.
@@ -118,12 +121,18 @@ impl Endpoint {
         if !(1..=5).contains(&mtu) {
             return Err(format!("MTU code {mtu} is not 1 (256 B) to 5 (4096 B)"));
         }
+        let ethernet = match c.u32().map_err(e)? {
+            0 => false,
+            1 => true,
+            other => return Err(format!("link layer flag {other} is not 0 or 1")),
+        };
         Ok(Endpoint {
             qpn,
             lid,
             gid,
             psn,
             mtu,
+            ethernet,
         })
     }
 }
