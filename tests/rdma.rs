@@ -706,7 +706,7 @@ fn the_collective_grid_on_a_real_rdma_device() {
             return;
         }
     };
-    eprintln!("running on {}", nic.device());
+    eprintln!("running on {}", describe(nic.as_ref()));
     drop(nic);
     for (hosts, per_host) in [(2, 1), (2, 2)] {
         let mut comm_config = small_fifos(2);
