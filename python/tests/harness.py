@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,9 +20,19 @@ HERE = Path(__file__).resolve().parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for the store to listen on, chosen below Linux's ephemeral range
+    (32768-60999): a port the kernel handed out (``bind(0)``) can be given again, as
+    the local end of some outgoing connection, before the store binds it."""
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 class Ranks:
@@ -47,7 +58,24 @@ def launch(
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
 ) -> Ranks:
-    """Runs ``ranks.py scenario args…`` as ``world`` ranks and collects their results."""
+    """Runs ``ranks.py scenario args…`` as ``world`` ranks and collects their results.
+    If the store could not listen because another process took its port in the
+    meantime (EADDRINUSE), runs them again on another port, up to 3 times."""
+    for _ in range(3):
+        ranks = _launch_once(scenario, world, *args, timeout=timeout, env=env)
+        lost_port = any(code != 0 and "EADDRINUSE" in out for code, out in zip(ranks.codes, ranks.outputs))
+        if not lost_port:
+            break
+    return ranks
+
+
+def _launch_once(
+    scenario: str,
+    world: int,
+    *args: str,
+    timeout: float,
+    env: dict[str, str] | None,
+) -> Ranks:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ferroccl-pytest-") as tmp:
         procs = []
