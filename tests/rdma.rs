@@ -98,15 +98,17 @@ fn check_grid(
 ) {
     let fabric = SimFabric::new();
     let comms = start(&fabric, hosts, per_host, &config);
-    assert_eq!(
-        fabric.live_qps(),
-        expected_qps(
-            hosts,
-            per_host,
-            config.channels,
-            config.rdma.qps_per_connection
-        ),
-        "every link between hosts is an RDMA link"
+    let all_links = expected_qps(
+        hosts,
+        per_host,
+        config.channels,
+        config.rdma.qps_per_connection,
+    );
+    // Only the rings' links are made at creation.
+    assert!(
+        fabric.live_qps() < all_links,
+        "{} queue pairs",
+        fabric.live_qps()
     );
     // The cost model's network is the simulated NIC (100 Gb/s), on every rank.
     for comm in &comms {
@@ -118,6 +120,63 @@ fn check_grid(
         counts,
         &format!("on {hosts}x{per_host} hosts over RDMA"),
     );
+    // The grid's direct algorithms and trees made more, every one over RDMA (a TCP
+    // fallback would be an error under NCCL_NET=IB), and never more than every pair.
+    let made = fabric.live_qps();
+    assert!(
+        made > 0 && made <= all_links,
+        "{made} of {all_links} queue pairs"
+    );
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// Between hosts, a communicator makes only its rings' RDMA links at creation (each
+/// rank: from its previous rank, to its next); any other link is made by its two ranks
+/// before the first call that needs it, once.
+#[test]
+fn links_beyond_the_rings_are_made_on_first_use() {
+    let fabric = SimFabric::new();
+    let config = CommConfig {
+        algorithms: vec![Algorithm::OneShot],
+        ..small_fifos(1)
+    };
+    let comms = start(&fabric, 4, 1, &config);
+    let regions = |fabric: &SimFabric| fabric.live_regions();
+    // 4 ranks x 2 ring neighbours; each link registers its 2 FIFOs.
+    assert_eq!(fabric.live_qps(), 4 * 2);
+    assert_eq!(regions(&fabric), 4 * 2 * 2);
+    // Rank 0 sends to rank 2 (across the ring): their point-to-point link, no other.
+    let sendrecv = |comms: &[Communicator]| {
+        std::thread::scope(|s| {
+            let a = s.spawn(|| comms[0].send(&[7u32; 1000], 2));
+            let b = s.spawn(|| {
+                let mut buf = [0u32; 1000];
+                comms[2].recv(&mut buf, 0).map(|()| buf)
+            });
+            a.join().unwrap().unwrap();
+            assert_eq!(b.join().unwrap().unwrap(), [7u32; 1000]);
+        })
+    };
+    sendrecv(&comms);
+    assert_eq!(fabric.live_qps(), 4 * 2 + 2);
+    sendrecv(&comms);
+    assert_eq!(fabric.live_qps(), 4 * 2 + 2, "made once");
+    // A one-shot all-reduce needs every pair on channel 0: each rank adds the rank
+    // opposite.
+    let wrong = common::run_calls(
+        &comms,
+        &[(
+            Collective::AllReduce,
+            DataType::Int64,
+            ReduceOp::Sum,
+            3,
+            false,
+        )],
+    );
+    assert!(wrong.is_empty(), "{wrong:?}");
+    assert_eq!(fabric.live_qps(), 4 * 3 + 2);
+    assert_eq!(regions(&fabric), (4 * 3 + 2) * 2);
     drop(comms);
     assert_nothing_left(&fabric);
 }
@@ -405,6 +464,69 @@ fn gid(index: u8, addr: &str, roce_version: u8) -> GidEntry {
         gid,
         roce_version: Some(roce_version),
     }
+}
+
+/// A rank that cannot make its side of a link on first use (here: its registrations
+/// refused, as over the locked-memory limit) fails the call saying why, and its peer
+/// fails at once naming it, without waiting for the deadline; nothing is left.
+#[test]
+fn a_link_that_cannot_be_made_on_first_use_is_named() {
+    let fabric = SimFabric::new();
+    let comms = start(&fabric, 2, 1, &small_fifos(1));
+    let before = fabric.live_qps();
+    fabric.inject(1, Fault::RefuseRegistrations);
+    let start = Instant::now();
+    let (sent, received) = std::thread::scope(|s| {
+        let a = s.spawn(|| comms[0].send(&[1u8; 100], 1));
+        let b = s.spawn(|| comms[1].recv(&mut [0u8; 100], 0));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let took = start.elapsed();
+    let (sent, received) = (sent.unwrap_err(), received.unwrap_err());
+    let why = received.to_string();
+    assert!(
+        why.contains("register a FIFO for rank 0") && why.contains("ulimit -l"),
+        "{why}"
+    );
+    assert!(
+        matches!(sent, Error::PeerFailed { failed_rank: 1, .. }),
+        "{sent}"
+    );
+    assert!(
+        sent.to_string()
+            .contains("rank 1 could not make its side of the RDMA link")
+            && sent.to_string().contains("ulimit -l"),
+        "{sent}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_eq!(fabric.live_qps(), before, "the half-made side is gone");
+    drop(comms);
+    assert_nothing_left(&fabric);
+}
+
+/// A peer that never comes to make a link (it never posts the matching receive) is
+/// named when the call's deadline passes.
+#[test]
+fn a_peer_that_never_makes_its_side_is_named_at_the_deadline() {
+    let fabric = SimFabric::new();
+    let config = CommConfig {
+        timeout: Duration::from_secs(2),
+        ..small_fifos(1)
+    };
+    let comms = start(&fabric, 2, 1, &config);
+    let start = Instant::now();
+    let e = comms[0].send(&[1u8; 100], 1).unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(e, Error::Timeout { ref waiting_on, .. } if waiting_on == &[1]),
+        "{e}"
+    );
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "{took:?}"
+    );
+    drop(comms);
+    assert_nothing_left(&fabric);
 }
 
 /// On hosts with several NICs every rank uses the first allowed port (in natural name
@@ -763,8 +885,9 @@ fn rdma_and_tcp_pairs_in_one_job() {
     .into_iter()
     .map(Result::unwrap)
     .collect();
-    // Ranks 0 and 1: one link each way on the collective channel and the p2p one.
-    assert_eq!(fabric.live_qps(), 2 * 2);
+    // Ranks 0 and 1, ring neighbours: their link on the ring's channel, made at
+    // creation (the point-to-point one comes on first use).
+    assert_eq!(fabric.live_qps(), 2);
     // The cost model keeps TCP's numbers: not every pair is over RDMA.
     assert_ne!(comms[0].cost_model().0.net, LinkCost::rdma(100.0));
     common::check_grid(

@@ -373,7 +373,7 @@ unsafe fn run_lanes(
 /// then every other peer that aborted because some rank failed, so that news of a
 /// failure spreads to every rank at once. Returns the rank that failed first and what
 /// happened.
-fn peer_failure(
+pub(crate) fn peer_failure(
     conns: &Connections,
     waiting_on: &[usize],
     check_process: bool,

@@ -1,4 +1,4 @@
-//! FIFOs between ranks of one host made on first use.
+//! FIFOs between ranks of one host, and RDMA links between hosts, made on first use.
 //!
 //! At establishment a rank makes only the FIFOs every ring uses (from its previous rank
 //! on each channel's ring, to its next). A FIFO that a plan needs beyond those — a
@@ -10,9 +10,15 @@
 //! 2. the sender waits for `…/made`, maps the segment and sets `…/opened`;
 //! 3. the receiver waits for `…/opened` and removes the name.
 //!
-//! A rank does step 1 for every FIFO it lacks before it waits on anything, and both
-//! ranks of a FIFO need it in the same call (plans agree), so the steps cannot wait on
-//! each other in a cycle. Every wait has the call's deadline and watches the peer: a
+//! An RDMA link to a peer on another host (built with the `rdma` feature) is made the
+//! same way, in the same three steps: each side creates its FIFOs and queue pairs and
+//! publishes their description (`…/ib/…/desc`, or why it could not); then connects to
+//! the peer's and says so (`…/up`); then waits for the peer's `up` before its link may
+//! send probes.
+//!
+//! A rank does step 1 for every FIFO and link it lacks before it waits on anything, and
+//! both ranks of a FIFO need it in the same call (plans agree), so the steps cannot
+//! wait on each other in a cycle. Every wait has the call's deadline and watches the peer: a
 //! peer that died or failed meanwhile ends the call with an error naming it, as in the
 //! engine.
 
@@ -52,11 +58,24 @@ impl Connections {
         // (protocol index, channel index, peer), deduplicated.
         let mut recv_from: Vec<(usize, usize, usize)> = Vec::new();
         let mut send_to: Vec<(usize, usize, usize)> = Vec::new();
+        // RDMA links to peers on other hosts not made yet: (channel index, peer).
+        #[cfg(feature = "rdma")]
+        let mut rdma_links: Vec<(usize, usize)> = Vec::new();
         for &(protocol, channel, to, from) in needs {
             let f = protocol.index();
             let Some(ci) = self.channel_index(channel) else {
                 continue;
             };
+            #[cfg(feature = "rdma")]
+            for p in [to, from].into_iter().flatten() {
+                if self.links[ci][p].is_none()
+                    && self.lazy.kinds.get(p).is_some_and(Option::is_none)
+                    && let Some(net) = &self.rdma
+                    && net.index_of(ci, p).is_some_and(|i| !net.is_made(i))
+                {
+                    rdma_links.push((ci, p));
+                }
+            }
             if self.lazy.formats[f].is_none() {
                 continue;
             }
@@ -74,7 +93,16 @@ impl Connections {
                 send_to.push((f, ci, p));
             }
         }
-        if recv_from.is_empty() && send_to.is_empty() {
+        #[cfg(feature = "rdma")]
+        {
+            rdma_links.sort_unstable();
+            rdma_links.dedup();
+        }
+        #[cfg(feature = "rdma")]
+        let no_rdma_links = rdma_links.is_empty();
+        #[cfg(not(feature = "rdma"))]
+        let no_rdma_links = true;
+        if recv_from.is_empty() && send_to.is_empty() && no_rdma_links {
             return Ok(());
         }
         recv_from.sort_unstable();
@@ -82,8 +110,9 @@ impl Connections {
         send_to.sort_unstable();
         send_to.dedup();
         let deadline = Instant::now() + call.timeout;
+        let prefix = self.lazy.prefix.clone();
         let key = |f: usize, ci: usize, from: usize, to: usize, what: &str| {
-            format!("{}/fifo/{f}/{ci}/{from}-{to}/{what}", self.lazy.prefix)
+            format!("{prefix}/fifo/{f}/{ci}/{from}-{to}/{what}")
         };
         // 1. Create what this rank receives on, and say so.
         let mut made = CreatedNames(Vec::new());
@@ -96,6 +125,8 @@ impl Connections {
             self.recvs[f][ci][p] = Some(fifo::recv_end(seg, g)?);
             self.lazy.store.set(&key(f, ci, p, rank, "made"), b"")?;
         }
+        #[cfg(feature = "rdma")]
+        let pending = self.publish_rdma_links(&rdma_links)?;
         // 2. Map what this rank sends on, once its receiver made it.
         for &(f, ci, p) in &send_to {
             self.wait_for_peer(&key(f, ci, rank, p, "made"), p, deadline, call)?;
@@ -106,10 +137,14 @@ impl Connections {
             self.sends[f][ci][p] = Some(fifo::send_end(seg, g, &name)?);
             self.lazy.store.set(&key(f, ci, rank, p, "opened"), b"")?;
         }
+        #[cfg(feature = "rdma")]
+        let made_links = self.connect_rdma_links(pending, deadline, call)?;
         // 3. Once each sender mapped its FIFO, its name can go (with `made`).
         for &(f, ci, p) in &recv_from {
             self.wait_for_peer(&key(f, ci, p, rank, "opened"), p, deadline, call)?;
         }
+        #[cfg(feature = "rdma")]
+        self.agree_rdma_links(&made_links, deadline, call)?;
         drop(made);
         for &(f, ci, p) in &recv_from {
             for what in ["made", "opened"] {
@@ -124,6 +159,116 @@ impl Connections {
             recv_from.iter().map(|r| r.2).collect::<Vec<_>>(),
             send_to.iter().map(|s| s.2).collect::<Vec<_>>()
         );
+        Ok(())
+    }
+
+    /// The store key of what `from` says to `to` about their RDMA link on channel index
+    /// `ci` (`what`: `desc`, its side's description; `up`, its side is connected).
+    #[cfg(feature = "rdma")]
+    fn rdma_key(&self, ci: usize, from: usize, to: usize, what: &str) -> String {
+        format!("{}/ib/{ci}/{from}-{to}/{what}", self.lazy.prefix)
+    }
+
+    /// Step 1 for RDMA links (channel index, peer): creates this side of each and
+    /// publishes its description, or why it could not (the peer then fails at once,
+    /// naming this rank).
+    #[cfg(feature = "rdma")]
+    fn publish_rdma_links(
+        &self,
+        links: &[(usize, usize)],
+    ) -> Result<Vec<(usize, usize, super::rdma::PendingLink)>> {
+        let Some(net) = &self.rdma else {
+            return Ok(Vec::new());
+        };
+        let mut pending = Vec::new();
+        for &(ci, p) in links {
+            let index = net.index_of(ci, p).expect("listed by index_of");
+            let key = self.rdma_key(ci, self.rank, p, "desc");
+            match net.prepare_link(index) {
+                Ok(link) => {
+                    let mut value = vec![1];
+                    value.extend_from_slice(link.description());
+                    self.lazy.store.set(&key, &value)?;
+                    pending.push((ci, p, link));
+                }
+                Err(e) => {
+                    let mut value = vec![0];
+                    value.extend_from_slice(e.to_string().as_bytes());
+                    let _ = self.lazy.store.set(&key, &value);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pending)
+    }
+
+    /// Step 2: connects each link to its peer's side, once described, and says so.
+    /// Returns the links made (channel index, peer, link index).
+    #[cfg(feature = "rdma")]
+    fn connect_rdma_links(
+        &mut self,
+        pending: Vec<(usize, usize, super::rdma::PendingLink)>,
+        deadline: Instant,
+        call: &CallInfo,
+    ) -> Result<Vec<(usize, usize, usize)>> {
+        let mut made = Vec::new();
+        for (ci, p, link) in pending {
+            let key = self.rdma_key(ci, p, self.rank, "desc");
+            self.wait_for_peer(&key, p, deadline, call)?;
+            let theirs = self.lazy.store.get(&key)?;
+            let Some(net) = &self.rdma else {
+                unreachable!("pending links come from the net");
+            };
+            let index = net.index_of(ci, p).expect("listed by index_of");
+            match theirs.split_first() {
+                Some((1, description)) => {
+                    let (tx, rx) = net.connect_link(link, description)?;
+                    self.sends[0][ci][p] = Some(tx);
+                    self.recvs[0][ci][p] = Some(rx);
+                    self.links[ci][p] = Some(super::NetLink::Rdma(net.link(index)));
+                }
+                _ => {
+                    let why = String::from_utf8_lossy(theirs.get(1..).unwrap_or_default());
+                    return Err(call.peer_failed(
+                        self.rank,
+                        (
+                            p,
+                            format!("rank {p} could not make its side of the RDMA link: {why}"),
+                        ),
+                    ));
+                }
+            }
+            self.lazy
+                .store
+                .set(&self.rdma_key(ci, self.rank, p, "up"), b"")?;
+            made.push((ci, p, index));
+        }
+        Ok(made)
+    }
+
+    /// Step 3: waits until each peer's side is connected too (only then may probes
+    /// go out), and removes what the peers published.
+    #[cfg(feature = "rdma")]
+    fn agree_rdma_links(
+        &self,
+        made: &[(usize, usize, usize)],
+        deadline: Instant,
+        call: &CallInfo,
+    ) -> Result<()> {
+        let Some(net) = &self.rdma else {
+            return Ok(());
+        };
+        for &(ci, p, index) in made {
+            let up = self.rdma_key(ci, p, self.rank, "up");
+            if let Err(e) = self.wait_for_peer(&up, p, deadline, call) {
+                net.link_failed(index, e.to_string());
+                return Err(e);
+            }
+            net.link_ready(index);
+            for key in [self.rdma_key(ci, p, self.rank, "desc"), up] {
+                let _ = self.lazy.store.delete(&key);
+            }
+        }
         Ok(())
     }
 
@@ -148,7 +293,9 @@ impl Connections {
                 Err(Error::StoreTimeout { .. }) => {}
                 Err(e) => return Err(e),
             }
-            if let Some((failed_rank, detail)) = self.peer_state(peer, true).failure(peer) {
+            // The peer, or any rank that reports a failure (a dead peer on another host
+            // has no link to show it yet: its neighbours report it).
+            if let Some((failed_rank, detail)) = crate::engine::peer_failure(self, &[peer], true) {
                 return Err(call.peer_failed(
                     self.rank,
                     (failed_rank, format!("{detail}, while connecting")),

@@ -638,6 +638,9 @@ impl Connections {
         let rdma_net = {
             // Collective whenever any two ranks of the job talk over RDMA.
             let any_rdma = (0..nranks).any(|a| (0..nranks).any(|b| path(a, b) == Path::Rdma));
+            // Every link this rank may have; only the rings' (from the previous rank of
+            // each channel's ring, to the next) are made now, the others on first use
+            // (see `lazy`), so that registered memory grows with the peers used.
             let specs: Vec<rdma::LinkSpec> = (0..=channels)
                 .flat_map(|ci| {
                     neighbours(ci)
@@ -646,17 +649,29 @@ impl Connections {
                         .map(move |peer| rdma::LinkSpec { channel: ci, peer })
                 })
                 .collect();
+            let ring_neighbour = |spec: &rdma::LinkSpec| {
+                config.rings.get(spec.channel).is_some_and(|ring| {
+                    let at = ring.iter().position(|&r| r == rank).expect("in every ring");
+                    let n = ring.len();
+                    spec.peer == ring[(at + 1) % n] || spec.peer == ring[(at + n - 1) % n]
+                })
+            };
+            let eager: Vec<usize> = (0..specs.len())
+                .filter(|&i| ring_neighbour(&specs[i]))
+                .collect();
             if any_rdma {
                 let (rdma_net, ends) = rdma::RdmaNet::establish(
                     boot,
                     net.nic.take(),
                     &config.rdma,
                     config.geometry,
-                    &specs,
+                    specs.clone(),
+                    &eager,
                     proxy_view.clone(),
                     config.link_timeout,
                 )?;
-                for (i, (spec, (tx, rx))) in specs.iter().zip(ends).enumerate() {
+                for (i, tx, rx) in ends {
+                    let spec = specs[i];
                     sends[0][spec.channel][spec.peer] = Some(tx);
                     recvs[0][spec.channel][spec.peer] = Some(rx);
                     let link = rdma_net.as_ref().expect("links need the net").link(i);

@@ -21,7 +21,7 @@ use ibverbs_sys as ffi;
 use super::gid::GidEntry;
 use super::verbs::{
     Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, QpState, Region, Remote,
-    WcKind, WcStatus,
+    WcKind, WcStatus, registration_error,
 };
 use crate::lock;
 
@@ -691,16 +691,7 @@ impl Nic for IbvNic {
         // SAFETY: the caller keeps the memory allocated until `deregister`.
         let mr = unsafe { (self.lib.reg_mr)(self.pd, addr.cast(), len, access.0 as c_int) };
         if mr.is_null() {
-            let e = io::Error::last_os_error();
-            return Err(match e.raw_os_error() {
-                Some(libc::ENOMEM | libc::EPERM) => io::Error::new(
-                    e.kind(),
-                    format!(
-                        "{e} (registered memory is pinned: is the locked-memory limit, `ulimit -l`, high enough?)"
-                    ),
-                ),
-                _ => e,
-            });
+            return Err(registration_error(io::Error::last_os_error()));
         }
         // SAFETY: a registered region, alive until ibv_dereg_mr.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };

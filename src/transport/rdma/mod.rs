@@ -40,7 +40,7 @@ pub mod sim;
 pub mod verbs;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -577,6 +577,9 @@ struct LinkShared {
     /// Set once this side closed (later flushes are expected).
     closing: AtomicBool,
     probe_in_flight: AtomicBool,
+    /// Whether the peer's queue pairs are connected too, so that probes may go out (a
+    /// link made on first use is not, between its making and the peer's word).
+    ready: AtomicBool,
 }
 
 impl LinkShared {
@@ -595,7 +598,12 @@ impl LinkShared {
 struct NetShared {
     rank: usize,
     nic: Arc<dyn Nic>,
-    links: Vec<LinkShared>,
+    config: RdmaConfig,
+    geometry: Geometry,
+    /// Every link this rank may have, by index (see [`RdmaNet::establish`]); made at
+    /// creation for the rings, on first use for the others.
+    specs: Vec<LinkSpec>,
+    links: Vec<OnceLock<LinkShared>>,
     rank_bell: Arc<Bell>,
     stop: AtomicBool,
     /// Held while polling the completion queue (completions are handled in order).
@@ -607,6 +615,19 @@ struct NetShared {
 }
 
 impl NetShared {
+    /// Link `index`, if it is made.
+    fn link(&self, index: usize) -> Option<&LinkShared> {
+        self.links.get(index)?.get()
+    }
+
+    /// The links made so far, with their indices.
+    fn made(&self) -> impl Iterator<Item = (usize, &LinkShared)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.get().map(|l| (i, l)))
+    }
+
     fn fail(&self, link: &LinkShared, what: String) {
         if link.set_state(LinkState::Broken(what.clone())) {
             tracing::info!(
@@ -633,7 +654,7 @@ impl NetShared {
         loop {
             buf.clear();
             if let Err(e) = self.nic.poll(&mut buf, 64) {
-                for link in &self.links {
+                for (_, link) in self.made() {
                     self.fail(link, format!("polling the completion queue failed: {e}"));
                 }
                 return any;
@@ -654,7 +675,7 @@ impl NetShared {
             ((c.wr_id >> 8) & 0xff) as usize,
             c.wr_id & 0xff,
         );
-        let Some(link) = self.links.get(index) else {
+        let Some(link) = self.link(index) else {
             return;
         };
         let kind = match what {
@@ -706,7 +727,9 @@ impl NetShared {
 
     /// A write with immediate data arrived on queue pair `qp` of link `index`.
     fn received(&self, index: usize, qp: usize, c: Completion) {
-        let link = &self.links[index];
+        let Some(link) = self.link(index) else {
+            return;
+        };
         let imm = c.imm.unwrap_or(0);
         let (kind, value) = (imm >> KIND_SHIFT, imm & VALUE_MASK);
         if kind != KIND_CLOSE
@@ -810,7 +833,9 @@ impl NetShared {
 
     /// Posts the writes of every slot the engine committed on link `index`.
     fn post_committed(&self, index: usize) {
-        let link = &self.links[index];
+        let Some(link) = self.link(index) else {
+            return;
+        };
         let mut out = lock(&link.out);
         let nq = link.qpns.len();
         let g = link.geometry;
@@ -861,7 +886,9 @@ impl NetShared {
 
     /// Tells the peer of link `index` how far this side's engine has consumed.
     fn return_credits(&self, index: usize) {
-        let link = &self.links[index];
+        let Some(link) = self.link(index) else {
+            return;
+        };
         let mut inc = lock(&link.inc);
         let tail = inc.fifo.consumed();
         if tail == inc.credit_sent || inc.credits_in_flight >= link.geometry.slots {
@@ -900,7 +927,9 @@ impl NetShared {
     /// Posts a write of no bytes on `link`'s queue pair `qp` (a close notice with
     /// immediate data, or a probe without).
     fn post_empty(&self, index: usize, qp: usize, what: u64, imm: Option<u32>) -> bool {
-        let link = &self.links[index];
+        let Some(link) = self.link(index) else {
+            return false;
+        };
         let local = Local {
             addr: link.out_region.addr,
             len: 0,
@@ -928,7 +957,9 @@ impl NetShared {
     /// Closes link `index`: a close notice with the cause on every queue pair, unless
     /// the link is closed or broken already (the peer would never answer it).
     fn close(&self, index: usize, why: Closed) {
-        let link = &self.links[index];
+        let Some(link) = self.link(index) else {
+            return;
+        };
         if link.closing.swap(true, Ordering::SeqCst) || *lock(&link.state) != LinkState::Up {
             return;
         }
@@ -952,8 +983,9 @@ impl NetShared {
             }
             if last_probe.elapsed() >= self.probe_every {
                 last_probe = Instant::now();
-                for (index, link) in self.links.iter().enumerate() {
+                for (index, link) in self.made() {
                     if *lock(&link.state) == LinkState::Up
+                        && link.ready.load(Ordering::SeqCst)
                         && !link.closing.load(Ordering::SeqCst)
                         && !link.probe_in_flight.swap(true, Ordering::SeqCst)
                         && !self.post_empty(index, 0, WR_PROBE, None)
@@ -980,10 +1012,12 @@ pub struct RdmaLink {
     index: usize,
 }
 
-/// Per link, the engine's ends: the FIFO it sends into and the FIFO it receives from.
-pub type EngineEnds = Vec<(SendEnd, RecvEnd)>;
+/// A link made at establishment: its index and the engine's ends (the FIFO it sends
+/// into, the FIFO it receives from).
+pub type EagerLink = (usize, SendEnd, RecvEnd);
 
-/// A link to create.
+/// A link a rank may have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkSpec {
     /// Channel index (the last one is point-to-point).
     pub channel: usize,
@@ -993,19 +1027,24 @@ pub struct LinkSpec {
 
 impl RdmaNet {
     /// Connects this rank's RDMA links (collective over `boot`: every rank calls it,
-    /// with no links if it has none). Returns the net and, per link in `specs` order,
-    /// the engine's ends: the FIFO it sends into and the FIFO it receives from.
+    /// with no links if it has none). `specs` lists every link this rank may have; the
+    /// ones at the indices `eager` (the rings') are made now, the others on first use
+    /// ([`RdmaNet::prepare_link`]). Returns the net and, per eager link, its index and the
+    /// engine's ends: the FIFO it sends into and the FIFO it receives from.
+    #[allow(clippy::too_many_arguments)]
     pub fn establish(
         boot: &Bootstrap,
         nic: Option<Arc<dyn Nic>>,
         config: &RdmaConfig,
         geometry: Geometry,
-        specs: &[LinkSpec],
+        specs: Vec<LinkSpec>,
+        eager: &[usize],
         rank_bell: Arc<Bell>,
         link_timeout: Duration,
-    ) -> Result<(Option<RdmaNet>, EngineEnds)> {
+    ) -> Result<(Option<RdmaNet>, Vec<EagerLink>)> {
         config.validate()?;
         let rank = boot.rank();
+        let eager: Vec<(usize, &LinkSpec)> = eager.iter().map(|&i| (i, &specs[i])).collect();
         let mut local = Vec::new();
         let mut blob = Writer::default();
         let mut nets_error: Option<Error> = None;
@@ -1018,7 +1057,7 @@ impl RdmaNet {
                         geometry.slot_bytes, MAX_SLOT_BYTES
                     )));
                 } else {
-                    match Self::prepare(nic.as_ref(), config, geometry, specs, rank) {
+                    match Self::prepare(nic.as_ref(), config, geometry, &eager, rank) {
                         Ok(prepared) => local = prepared,
                         Err(e) => nets_error = Some(e),
                     }
@@ -1026,16 +1065,7 @@ impl RdmaNet {
             }
             _ => {}
         }
-        blob.u64(local.len() as u64);
-        for (spec, p) in specs.iter().zip(&local) {
-            blob.u64(spec.channel as u64)
-                .u64(spec.peer as u64)
-                .u64(p.endpoints.len() as u64);
-            for e in &p.endpoints {
-                e.encode(&mut blob);
-            }
-            blob.u64(p.in_region.addr).u32(p.in_region.rkey);
-        }
+        encode_links(&mut blob, eager.iter().map(|(_, spec)| *spec).zip(&local));
         // Everyone publishes, even a rank that failed (with no links), so that the
         // others fail on its missing links instead of waiting.
         let all = boot.all_gather(&blob.into_vec());
@@ -1060,42 +1090,12 @@ impl RdmaNet {
             let Some(nic) = nic.as_ref().filter(|_| !specs.is_empty()) else {
                 return Ok(());
             };
-            for (spec, p) in specs.iter().zip(&mut local) {
-                let (endpoints, remote) = find_peer_link(&all, spec.peer, spec.channel, rank)?;
-                if endpoints.len() != p.endpoints.len() {
-                    return Err(Error::BootstrapData {
-                        rank: spec.peer,
-                        detail: format!(
-                            "{} queue pairs per connection, this rank has {} \
-                             (NCCL_IB_QPS_PER_CONNECTION must be the same everywhere)",
-                            endpoints.len(),
-                            p.endpoints.len()
-                        ),
-                    });
-                }
-                if let Some(theirs) = endpoints.first()
-                    && theirs.ethernet != nic.device().ethernet()
-                {
-                    let kind = |ethernet| if ethernet { "RoCE" } else { "InfiniBand" };
-                    return Err(Error::BootstrapData {
-                        rank: spec.peer,
-                        detail: format!(
-                            "its RDMA port is {}, this rank's is {}: they cannot connect \
-                             (NCCL_IB_HCA can choose ports of one kind)",
-                            kind(theirs.ethernet),
-                            describe(nic.as_ref()),
-                        ),
-                    });
-                }
-                for (mine, theirs) in p.endpoints.iter().zip(&endpoints) {
-                    nic.connect(mine.qpn, theirs).map_err(|e| {
-                        Error::io(
-                            format!("connect queue pair {} to rank {}", mine.qpn, spec.peer),
-                            e,
-                        )
-                    })?;
-                }
-                p.remote = remote;
+            for ((_, spec), p) in eager.iter().zip(&mut local) {
+                let bytes = all.get(spec.peer).ok_or_else(|| Error::BootstrapData {
+                    rank: spec.peer,
+                    detail: "published no RDMA links".into(),
+                })?;
+                connect_prepared(nic.as_ref(), spec, p, bytes, rank)?;
             }
             Ok(())
         })();
@@ -1119,43 +1119,19 @@ impl RdmaNet {
         let Some(nic) = nic.filter(|_| !specs.is_empty()) else {
             return Ok((None, Vec::new()));
         };
-        let mut links = Vec::new();
+        let links: Vec<OnceLock<LinkShared>> = specs.iter().map(|_| OnceLock::new()).collect();
         let mut engine_ends = Vec::new();
-        for (spec, p) in specs.iter().zip(local) {
-            let nq = p.endpoints.len();
-            engine_ends.push((p.engine_tx, p.engine_rx));
-            links.push(LinkShared {
-                peer: spec.peer,
-                qpns: p.endpoints.iter().map(|e| e.qpn).collect(),
-                geometry,
-                out_region: p.out_region,
-                in_region: p.in_region,
-                remote: p.remote,
-                out: Mutex::new(Outgoing {
-                    fifo: p.proxy_rx,
-                    posted: 0,
-                    written: vec![0; nq],
-                    credited: 0,
-                    released: 0,
-                    in_flight: 0,
-                }),
-                inc: Mutex::new(Incoming {
-                    fifo: p.proxy_tx,
-                    received: vec![0; nq],
-                    lens: vec![0; geometry.slots],
-                    committed: 0,
-                    credit_sent: 0,
-                    credits_in_flight: 0,
-                    closed: vec![false; nq],
-                }),
-                state: Mutex::new(LinkState::Up),
-                closing: AtomicBool::new(false),
-                probe_in_flight: AtomicBool::new(false),
-            });
+        for ((index, spec), p) in eager.iter().zip(local) {
+            let (link, tx, rx) = p.into_link(spec.peer, geometry, true);
+            let _ = links[*index].set(link);
+            engine_ends.push((*index, tx, rx));
         }
         let shared = Arc::new(NetShared {
             rank,
             nic,
+            config: config.clone(),
+            geometry,
+            specs,
             links,
             rank_bell,
             stop: AtomicBool::new(false),
@@ -1177,18 +1153,92 @@ impl RdmaNet {
         ))
     }
 
+    /// The index of the link to `peer` on channel index `channel`, if this rank may
+    /// have one.
+    pub fn index_of(&self, channel: usize, peer: usize) -> Option<usize> {
+        self.shared
+            .specs
+            .iter()
+            .position(|s| s.channel == channel && s.peer == peer)
+    }
+
+    /// Whether link `index` is made.
+    pub fn is_made(&self, index: usize) -> bool {
+        self.shared.link(index).is_some()
+    }
+
+    /// First step of making link `index` on first use (see [`super::lazy`]): creates
+    /// and registers this side's FIFOs and queue pairs. What the peer needs is
+    /// [`PendingLink::description`]; the peer makes its side in the same call.
+    pub fn prepare_link(&self, index: usize) -> Result<PendingLink> {
+        let sh = &self.shared;
+        let spec = sh.specs[index];
+        let prepared = Self::prepare(
+            sh.nic.as_ref(),
+            &sh.config,
+            sh.geometry,
+            &[(index, &spec)],
+            sh.rank,
+        )?
+        .pop()
+        .expect("one link prepared");
+        let mut blob = Writer::default();
+        encode_links(&mut blob, std::iter::once((&spec, &prepared)));
+        Ok(PendingLink {
+            nic: sh.nic.clone(),
+            index,
+            prepared: Some(prepared),
+            description: blob.into_vec(),
+        })
+    }
+
+    /// Second step: connects `pending` to the peer's description. The link is made (its
+    /// completions are handled) but sends no probe until [`RdmaNet::link_ready`].
+    /// Returns the engine's ends.
+    pub fn connect_link(
+        &self,
+        mut pending: PendingLink,
+        theirs: &[u8],
+    ) -> Result<(SendEnd, RecvEnd)> {
+        let sh = &self.shared;
+        let spec = sh.specs[pending.index];
+        let mut prepared = pending.prepared.take().expect("prepared until connected");
+        if let Err(e) = connect_prepared(sh.nic.as_ref(), &spec, &mut prepared, theirs, sh.rank) {
+            prepared.destroy(sh.nic.as_ref());
+            return Err(e);
+        }
+        let (link, tx, rx) = prepared.into_link(spec.peer, sh.geometry, false);
+        let _ = sh.links[pending.index].set(link);
+        Ok((tx, rx))
+    }
+
+    /// Last step: the peer's side is connected too; link `index` may probe.
+    pub fn link_ready(&self, index: usize) {
+        if let Some(link) = self.shared.link(index) {
+            link.ready.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Marks link `index` broken (making it failed on the peer's side), so that the
+    /// engine reports `why`.
+    pub fn link_failed(&self, index: usize, why: String) {
+        if let Some(link) = self.shared.link(index) {
+            self.shared.fail(link, why);
+        }
+    }
+
     /// Creates and registers each link's FIFOs and queue pairs, with receives posted.
     fn prepare(
         nic: &dyn Nic,
         config: &RdmaConfig,
         geometry: Geometry,
-        specs: &[LinkSpec],
+        specs: &[(usize, &LinkSpec)],
         rank: usize,
     ) -> Result<Vec<Prepared>> {
         let options = config.qp_options(geometry.slots);
         let mut done: Vec<Prepared> = Vec::new();
         let result = (|| -> Result<()> {
-            for (index, spec) in specs.iter().enumerate() {
+            for &(index, spec) in specs {
                 let tag = format!("ib-r{rank}-c{}-p{}", spec.channel, spec.peer);
                 let (engine_tx, proxy_rx) = local_fifo(geometry, &tag)?;
                 let (proxy_tx, engine_rx) = local_fifo(geometry, &tag)?;
@@ -1327,20 +1377,144 @@ impl Prepared {
             let _ = nic.deregister(&self.in_region);
         }
     }
+
+    /// The connected link to `peer` (probes allowed once `ready`), and the engine's ends.
+    fn into_link(
+        self,
+        peer: usize,
+        geometry: Geometry,
+        ready: bool,
+    ) -> (LinkShared, SendEnd, RecvEnd) {
+        let nq = self.endpoints.len();
+        let link = LinkShared {
+            peer,
+            qpns: self.endpoints.iter().map(|e| e.qpn).collect(),
+            geometry,
+            out_region: self.out_region,
+            in_region: self.in_region,
+            remote: self.remote,
+            out: Mutex::new(Outgoing {
+                fifo: self.proxy_rx,
+                posted: 0,
+                written: vec![0; nq],
+                credited: 0,
+                released: 0,
+                in_flight: 0,
+            }),
+            inc: Mutex::new(Incoming {
+                fifo: self.proxy_tx,
+                received: vec![0; nq],
+                lens: vec![0; geometry.slots],
+                committed: 0,
+                credit_sent: 0,
+                credits_in_flight: 0,
+                closed: vec![false; nq],
+            }),
+            state: Mutex::new(LinkState::Up),
+            closing: AtomicBool::new(false),
+            probe_in_flight: AtomicBool::new(false),
+            ready: AtomicBool::new(ready),
+        };
+        (link, self.engine_tx, self.engine_rx)
+    }
 }
 
-/// What `peer` published for its link to `me` on `channel`: its queue pairs'
+/// One side of a link being made on first use, between [`RdmaNet::prepare_link`] and
+/// [`RdmaNet::connect_link`]; dropped before, it destroys what it created.
+pub struct PendingLink {
+    nic: Arc<dyn Nic>,
+    index: usize,
+    prepared: Option<Prepared>,
+    description: Vec<u8>,
+}
+
+impl PendingLink {
+    /// What the peer needs to connect to this side.
+    pub fn description(&self) -> &[u8] {
+        &self.description
+    }
+}
+
+impl Drop for PendingLink {
+    fn drop(&mut self) {
+        if let Some(p) = self.prepared.take() {
+            p.destroy(self.nic.as_ref());
+        }
+    }
+}
+
+/// Appends what a peer needs of each link: channel, peer, the queue pairs' endpoints and
+/// the incoming FIFO.
+fn encode_links<'a>(blob: &mut Writer, links: impl Iterator<Item = (&'a LinkSpec, &'a Prepared)>) {
+    let links: Vec<_> = links.collect();
+    blob.u64(links.len() as u64);
+    for (spec, p) in links {
+        blob.u64(spec.channel as u64)
+            .u64(spec.peer as u64)
+            .u64(p.endpoints.len() as u64);
+        for e in &p.endpoints {
+            e.encode(blob);
+        }
+        blob.u64(p.in_region.addr).u32(p.in_region.rkey);
+    }
+}
+
+/// Connects `p`, this rank's side of `spec`, to what the peer published (`bytes`, in
+/// [`encode_links`]' form): the same number of queue pairs, ports of the same kind.
+fn connect_prepared(
+    nic: &dyn Nic,
+    spec: &LinkSpec,
+    p: &mut Prepared,
+    bytes: &[u8],
+    rank: usize,
+) -> Result<()> {
+    let (endpoints, remote) = find_peer_link(bytes, spec.peer, spec.channel, rank)?;
+    if endpoints.len() != p.endpoints.len() {
+        return Err(Error::BootstrapData {
+            rank: spec.peer,
+            detail: format!(
+                "{} queue pairs per connection, this rank has {} \
+                 (NCCL_IB_QPS_PER_CONNECTION must be the same everywhere)",
+                endpoints.len(),
+                p.endpoints.len()
+            ),
+        });
+    }
+    if let Some(theirs) = endpoints.first()
+        && theirs.ethernet != nic.device().ethernet()
+    {
+        let kind = |ethernet| if ethernet { "RoCE" } else { "InfiniBand" };
+        return Err(Error::BootstrapData {
+            rank: spec.peer,
+            detail: format!(
+                "its RDMA port is {}, this rank's is {}: they cannot connect \
+                 (NCCL_IB_HCA can choose ports of one kind)",
+                kind(theirs.ethernet),
+                describe(nic),
+            ),
+        });
+    }
+    for (mine, theirs) in p.endpoints.iter().zip(&endpoints) {
+        nic.connect(mine.qpn, theirs).map_err(|e| {
+            Error::io(
+                format!("connect queue pair {} to rank {}", mine.qpn, spec.peer),
+                e,
+            )
+        })?;
+    }
+    p.remote = remote;
+    Ok(())
+}
+
+/// What `peer` published (`bytes`) for its link to `me` on `channel`: its queue pairs'
 /// endpoints and its incoming FIFO.
 fn find_peer_link(
-    all: &[Vec<u8>],
+    bytes: &[u8],
     peer: usize,
     channel: usize,
     me: usize,
 ) -> Result<(Vec<Endpoint>, Remote)> {
     let bad = |detail: String| Error::BootstrapData { rank: peer, detail };
-    let bytes = all
-        .get(peer)
-        .ok_or_else(|| bad("published no RDMA links".into()))?;
     let mut c = Cursor::new(bytes);
     let e = |e| format!("RDMA links: {e:?}");
     let n = c.count(1 << 20, "link").map_err(|x| bad(e(x)))?;
@@ -1383,7 +1557,7 @@ impl Drop for RdmaNet {
         // timeout.
         let start = Instant::now();
         while start.elapsed() < DRAIN_LIMIT
-            && sh.links.iter().any(|l| {
+            && sh.made().any(|(_, l)| {
                 *lock(&l.state) == LinkState::Up
                     && (lock(&l.out).in_flight > 0 || lock(&l.inc).credits_in_flight > 0)
             })
@@ -1392,7 +1566,7 @@ impl Drop for RdmaNet {
                 sh.nic.wait(Duration::from_millis(1));
             }
         }
-        for link in &sh.links {
+        for (_, link) in sh.made() {
             for &qpn in &link.qpns {
                 sh.nic.destroy_qp(qpn);
             }
@@ -1407,7 +1581,9 @@ impl Drop for RdmaNet {
 
 impl RdmaLink {
     fn link(&self) -> &LinkShared {
-        &self.shared.links[self.index]
+        self.shared
+            .link(self.index)
+            .expect("an RdmaLink is handed out only for a made link")
     }
 
     /// After the engine committed slots: posts their writes.

@@ -18,7 +18,7 @@
 //!
 //! Faults are injected per opened device ([`SimFabric::inject`]): its queue pairs to
 //! the error state, its next receive completion lost, its next incoming write refused,
-//! or its cable pulled.
+//! its cable pulled, or its registrations refused (a locked-memory limit).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use super::gid::GidEntry;
 use super::verbs::{
     Completion, DeviceInfo, Endpoint, Local, Nic, Provider, QpOptions, QpState, Region, Remote,
-    WcKind, WcStatus,
+    WcKind, WcStatus, registration_error,
 };
 
 /// A fault to inject into one opened device.
@@ -44,6 +44,8 @@ pub enum Fault {
     /// The device stops answering: requests from and to it fail with retry-exceeded
     /// after the transport timeout.
     Unplug,
+    /// Every later registration fails as over the locked-memory limit (ENOMEM).
+    RefuseRegistrations,
 }
 
 /// A simulated RDMA fabric (see the [module documentation](self)).
@@ -91,6 +93,7 @@ struct NicRec {
     lose_completions: usize,
     refuse_writes: usize,
     unplugged: bool,
+    refuse_registrations: bool,
 }
 
 #[derive(Debug)]
@@ -191,6 +194,9 @@ impl SimFabric {
                 Fault::LoseCompletion => w.nics.get_mut(&id).expect("nic").lose_completions += 1,
                 Fault::RefuseNextWrite => w.nics.get_mut(&id).expect("nic").refuse_writes += 1,
                 Fault::Unplug => w.nics.get_mut(&id).expect("nic").unplugged = true,
+                Fault::RefuseRegistrations => {
+                    w.nics.get_mut(&id).expect("nic").refuse_registrations = true;
+                }
             }
         }
         drop(w);
@@ -553,6 +559,11 @@ impl Nic for SimNic {
             ));
         }
         let mut w = self.inner.lock();
+        if w.nics.get(&self.id).is_some_and(|n| n.refuse_registrations) {
+            return Err(registration_error(io::Error::from_raw_os_error(
+                libc::ENOMEM,
+            )));
+        }
         w.next_key += 1;
         let region = Region {
             addr: addr as u64,

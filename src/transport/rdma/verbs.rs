@@ -315,6 +315,21 @@ pub trait Nic: Send + Sync {
     fn destroy_qp(&self, qpn: u32);
 }
 
+/// A failed registration, with the usual cause named where the error is the one a
+/// locked-memory limit gives (ENOMEM, EPERM): registered memory is pinned.
+pub fn registration_error(e: io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::ENOMEM | libc::EPERM) => io::Error::new(
+            e.kind(),
+            format!(
+                "{e} (registered memory is pinned: is the locked-memory limit, `ulimit -l`, \
+                 high enough?)"
+            ),
+        ),
+        _ => e,
+    }
+}
+
 /// Lists and opens devices.
 pub trait Provider: Send + Sync + fmt::Debug {
     /// The device ports present, in the provider's order.
