@@ -171,7 +171,7 @@ impl Connections {
 
     /// Step 1 for RDMA links (channel index, peer): creates this side of each and
     /// publishes its description, or why it could not (the peer then fails at once,
-    /// naming this rank).
+    /// naming this rank; so do the peers of links described already, at step 3).
     #[cfg(feature = "rdma")]
     fn publish_rdma_links(
         &self,
@@ -186,15 +186,18 @@ impl Connections {
             let key = self.rdma_key(ci, self.rank, p, "desc");
             match net.prepare_link(index) {
                 Ok(link) => {
-                    let mut value = vec![1];
-                    value.extend_from_slice(link.description());
-                    self.lazy.store.set(&key, &value)?;
+                    self.lazy.store.set(&key, &said(Ok(link.description())))?;
                     pending.push((ci, p, link));
                 }
                 Err(e) => {
-                    let mut value = vec![0];
-                    value.extend_from_slice(e.to_string().as_bytes());
-                    let _ = self.lazy.store.set(&key, &value);
+                    let failed = said(Err(&e));
+                    let _ = self.lazy.store.set(&key, &failed);
+                    for &(ci, p, _) in &pending {
+                        let _ = self
+                            .lazy
+                            .store
+                            .set(&self.rdma_key(ci, self.rank, p, "up"), &failed);
+                    }
                     return Err(e);
                 }
             }
@@ -202,7 +205,8 @@ impl Connections {
         Ok(pending)
     }
 
-    /// Step 2: connects each link to its peer's side, once described, and says so.
+    /// Step 2: connects each link to its peer's side, once described, and says so (or
+    /// why not, to this link's peer and to the peers of the links not reached).
     /// Returns the links made (channel index, peer, link index).
     #[cfg(feature = "rdma")]
     fn connect_rdma_links(
@@ -212,38 +216,54 @@ impl Connections {
         call: &CallInfo,
     ) -> Result<Vec<(usize, usize, usize)>> {
         let mut made = Vec::new();
-        for (ci, p, link) in pending {
-            let key = self.rdma_key(ci, p, self.rank, "desc");
-            self.wait_for_peer(&key, p, deadline, call)?;
-            let theirs = self.lazy.store.get(&key)?;
-            let Some(net) = &self.rdma else {
-                unreachable!("pending links come from the net");
-            };
-            let index = net.index_of(ci, p).expect("listed by index_of");
-            match theirs.split_first() {
-                Some((1, description)) => {
-                    let (tx, rx) = net.connect_link(link, description)?;
-                    self.sends[0][ci][p] = Some(tx);
-                    self.recvs[0][ci][p] = Some(rx);
-                    self.links[ci][p] = Some(super::NetLink::Rdma(net.link(index)));
+        let mut pending = pending.into_iter();
+        while let Some((ci, p, link)) = pending.next() {
+            let up = self.rdma_key(ci, self.rank, p, "up");
+            match self.connect_rdma_link(ci, p, link, deadline, call) {
+                Ok(index) => {
+                    self.lazy.store.set(&up, &said(Ok(&[])))?;
+                    made.push((ci, p, index));
                 }
-                _ => {
-                    let why = String::from_utf8_lossy(theirs.get(1..).unwrap_or_default());
-                    return Err(call.peer_failed(
-                        self.rank,
-                        (
-                            p,
-                            format!("rank {p} could not make its side of the RDMA link: {why}"),
-                        ),
-                    ));
+                Err(e) => {
+                    let failed = said(Err(&e));
+                    let _ = self.lazy.store.set(&up, &failed);
+                    for (ci, p, _) in pending {
+                        let _ = self
+                            .lazy
+                            .store
+                            .set(&self.rdma_key(ci, self.rank, p, "up"), &failed);
+                    }
+                    return Err(e);
                 }
             }
-            self.lazy
-                .store
-                .set(&self.rdma_key(ci, self.rank, p, "up"), b"")?;
-            made.push((ci, p, index));
         }
         Ok(made)
+    }
+
+    /// Step 2 for one link: waits for the peer's description and connects to it.
+    /// Returns the link's index.
+    #[cfg(feature = "rdma")]
+    fn connect_rdma_link(
+        &mut self,
+        ci: usize,
+        p: usize,
+        link: super::rdma::PendingLink,
+        deadline: Instant,
+        call: &CallInfo,
+    ) -> Result<usize> {
+        let key = self.rdma_key(ci, p, self.rank, "desc");
+        self.wait_for_peer(&key, p, deadline, call)?;
+        let theirs = self.lazy.store.get(&key)?;
+        let description = heard(&theirs, p, call, self.rank)?;
+        let Some(net) = &self.rdma else {
+            unreachable!("pending links come from the net");
+        };
+        let index = net.index_of(ci, p).expect("listed by index_of");
+        let (tx, rx) = net.connect_link(link, description)?;
+        self.sends[0][ci][p] = Some(tx);
+        self.recvs[0][ci][p] = Some(rx);
+        self.links[ci][p] = Some(super::NetLink::Rdma(net.link(index)));
+        Ok(index)
     }
 
     /// Step 3: waits until each peer's side is connected too (only then may probes
@@ -260,7 +280,11 @@ impl Connections {
         };
         for &(ci, p, index) in made {
             let up = self.rdma_key(ci, p, self.rank, "up");
-            if let Err(e) = self.wait_for_peer(&up, p, deadline, call) {
+            let agreed = self
+                .wait_for_peer(&up, p, deadline, call)
+                .and_then(|()| self.lazy.store.get(&up))
+                .and_then(|value| heard(&value, p, call, self.rank).map(|_| ()));
+            if let Err(e) = agreed {
                 net.link_failed(index, e.to_string());
                 return Err(e);
             }
@@ -310,6 +334,34 @@ impl Connections {
                     reason: crate::engine::ABORTED_BY_USER.into(),
                 });
             }
+        }
+    }
+}
+
+/// What a rank publishes of a step of making an RDMA link: 1 and the payload, or 0 and
+/// why it could not.
+#[cfg(feature = "rdma")]
+fn said(what: std::result::Result<&[u8], &Error>) -> Vec<u8> {
+    match what {
+        Ok(payload) => [&[1u8][..], payload].concat(),
+        Err(e) => [&[0u8][..], e.to_string().as_bytes()].concat(),
+    }
+}
+
+/// The payload of what `peer` published ([`said`]), or the error naming it.
+#[cfg(feature = "rdma")]
+fn heard<'a>(value: &'a [u8], peer: usize, call: &CallInfo, rank: usize) -> Result<&'a [u8]> {
+    match value.split_first() {
+        Some((1, payload)) => Ok(payload),
+        _ => {
+            let why = String::from_utf8_lossy(value.get(1..).unwrap_or_default());
+            Err(call.peer_failed(
+                rank,
+                (
+                    peer,
+                    format!("rank {peer} could not make its side of the RDMA link: {why}"),
+                ),
+            ))
         }
     }
 }
