@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -455,15 +454,7 @@ fn nccl_net_ib_without_a_device_names_the_rank() {
 }
 
 fn gid(index: u8, addr: &str, roce_version: u8) -> GidEntry {
-    let gid = match addr.parse::<IpAddr>().unwrap() {
-        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-        IpAddr::V6(v6) => v6.octets(),
-    };
-    GidEntry {
-        index,
-        gid,
-        roce_version: Some(roce_version),
-    }
+    GidEntry::of_address(index, addr.parse().unwrap(), Some(roce_version))
 }
 
 /// A rank that cannot make its side of a link on first use (here: its registrations

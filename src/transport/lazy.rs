@@ -190,19 +190,31 @@ impl Connections {
                     pending.push((ci, p, link));
                 }
                 Err(e) => {
-                    let failed = said(Err(&e));
-                    let _ = self.lazy.store.set(&key, &failed);
-                    for &(ci, p, _) in &pending {
-                        let _ = self
-                            .lazy
-                            .store
-                            .set(&self.rdma_key(ci, self.rank, p, "up"), &failed);
-                    }
+                    let unfinished = pending.iter().map(|&(ci, p, _)| (ci, p));
+                    self.tell_failed(&e, [key].into_iter().chain(self.up_keys(unfinished)));
                     return Err(e);
                 }
             }
         }
         Ok(pending)
+    }
+
+    /// This rank's `up` keys of the RDMA links (channel index, peer).
+    #[cfg(feature = "rdma")]
+    fn up_keys(&self, links: impl Iterator<Item = (usize, usize)>) -> Vec<String> {
+        links
+            .map(|(ci, p)| self.rdma_key(ci, self.rank, p, "up"))
+            .collect()
+    }
+
+    /// Publishes `e` under each of `keys`, so that the peers waiting on them fail at
+    /// once, naming this rank (best effort: the call fails with `e` anyway).
+    #[cfg(feature = "rdma")]
+    fn tell_failed(&self, e: &Error, keys: impl Iterator<Item = String>) {
+        let failed = said(Err(e));
+        for key in keys {
+            let _ = self.lazy.store.set(&key, &failed);
+        }
     }
 
     /// Step 2: connects each link to its peer's side, once described, and says so (or
@@ -225,14 +237,8 @@ impl Connections {
                     made.push((ci, p, index));
                 }
                 Err(e) => {
-                    let failed = said(Err(&e));
-                    let _ = self.lazy.store.set(&up, &failed);
-                    for (ci, p, _) in pending {
-                        let _ = self
-                            .lazy
-                            .store
-                            .set(&self.rdma_key(ci, self.rank, p, "up"), &failed);
-                    }
+                    let unfinished = pending.map(|(ci, p, _)| (ci, p));
+                    self.tell_failed(&e, [up].into_iter().chain(self.up_keys(unfinished)));
                     return Err(e);
                 }
             }

@@ -26,6 +26,20 @@ pub struct GidEntry {
 }
 
 impl GidEntry {
+    /// The entry at `index` holding `address` (an IPv4 one IPv4-mapped), the inverse of
+    /// [`GidEntry::address`].
+    pub fn of_address(index: u8, address: IpAddr, roce_version: Option<u8>) -> Self {
+        let gid = match address {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            IpAddr::V6(v6) => v6.octets(),
+        };
+        GidEntry {
+            index,
+            gid,
+            roce_version,
+        }
+    }
+
     /// The entry's address: IPv4 for an IPv4-mapped GID, else IPv6.
     pub fn address(&self) -> IpAddr {
         let v6 = Ipv6Addr::from(self.gid);
@@ -268,15 +282,7 @@ mod tests {
     use super::*;
 
     fn entry(index: u8, addr: &str, roce_version: Option<u8>) -> GidEntry {
-        let gid = match addr.parse::<IpAddr>().unwrap() {
-            IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-            IpAddr::V6(v6) => v6.octets(),
-        };
-        GidEntry {
-            index,
-            gid,
-            roce_version,
-        }
+        GidEntry::of_address(index, addr.parse().unwrap(), roce_version)
     }
 
     /// A ConnectX port with one IPv4 and one global IPv6 address, as `show_gids` lists it.

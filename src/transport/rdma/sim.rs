@@ -128,17 +128,8 @@ impl SimFabric {
     /// requests per queue).
     pub fn device(name: &str, link_layer: &'static str, mut gids: Vec<GidEntry>) -> DeviceInfo {
         if link_layer == "InfiniBand" && !gids.iter().any(|g| g.index == 0) {
-            let mut gid = [0; 16];
-            gid[..2].copy_from_slice(&[0xfe, 0x80]);
-            gid[15] = 1;
-            gids.insert(
-                0,
-                GidEntry {
-                    index: 0,
-                    gid,
-                    roce_version: None,
-                },
-            );
+            let link_local = std::net::Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+            gids.insert(0, GidEntry::of_address(0, link_local.into(), None));
         }
         DeviceInfo {
             name: name.into(),
