@@ -26,18 +26,26 @@ use ferroccl::transport::cuda_ipc;
 use ferroccl::transport::fifo::Geometry;
 use ferroccl::{DataType, ReduceOp};
 
-/// The first GPU and its architecture, or `None` after saying why there is none.
+/// GPUs of the simulated driver when there is no real one (`FERROCCL_SIM_GPUS` overrides).
+const SIMULATED_GPUS: usize = 4;
+
+/// The first GPU and its architecture: a real one, else one of the simulated driver's
+/// (`tests/simcuda`), which the driver says (and `FERROCCL_DEBUG=INFO` logs).
 fn gpu() -> Option<(Arc<CudaContext>, (u32, u32))> {
-    if cuda::device_count() == 0 {
-        let why = cuda::driver()
-            .err()
-            .map_or("the driver sees no device".into(), |e| e.to_string());
-        eprintln!("\n*** SKIPPED (no GPU here): no CUDA device ({why}) ***\n");
-        return None;
+    let real = common::real_gpu_or_simulated(SIMULATED_GPUS);
+    let driver = cuda::driver().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(real, driver.simulated.is_none(), "{driver:?}");
+    if let Some(what) = &driver.simulated {
+        eprintln!("(on {what})");
     }
-    common::nvrtc_from_pypi();
+    assert!(cuda::device_count() > 0, "the driver sees no GPU");
     let arch = cuda::compute_capability(0).expect("compute capability");
     Some((CudaContext::new(0).expect("CUDA context on device 0"), arch))
+}
+
+/// Whether the tests run on the simulated driver.
+fn simulated() -> bool {
+    cuda::driver().is_ok_and(|d| d.simulated.is_some())
 }
 
 fn module(
@@ -97,6 +105,14 @@ fn gpu_element_wise_kernels_equal_the_host_kernels() {
             }
             .unwrap();
             let got = stream.clone_dtoh(&dd).unwrap();
+            let first = got.iter().zip(&want).position(|(g, w)| g != w);
+            assert!(
+                got == want,
+                "{dtype} {op}: first difference at byte {first:?} of {}: got {:?}, want {:?}",
+                got.len(),
+                first.map(|i| &got[i..(i + 8).min(got.len())]),
+                first.map(|i| &want[i..(i + 8).min(want.len())]),
+            );
             assert!(
                 got == want,
                 "{dtype} {op}: the GPU's reduction differs from the host's"
@@ -443,6 +459,13 @@ fn gpu_every_pair_of_gpus_runs_the_collectives() {
 fn gpu_ferroccl_and_nvidia_nccl_agree_bit_for_bit_on_integer_data() {
     use std::ffi::{c_int, c_void};
     let Some(_) = gpu() else { return };
+    if simulated() {
+        eprintln!(
+            "\n*** SKIPPED (needs real silicon): NVIDIA's NCCL runs only on a GPU, not on the \
+             simulated driver ***\n"
+        );
+        return;
+    }
     // NCCL takes one rank per GPU (it refuses two on one: "Duplicate GPU detected").
     let n = cuda::device_count();
     let contexts: Vec<_> = (0..n).map(|d| CudaContext::new(d).unwrap()).collect();

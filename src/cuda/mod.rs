@@ -55,11 +55,21 @@ pub(crate) fn missing_symbol<'a>(lib: &libloading::Library, names: &[&'a str]) -
 }
 
 /// The loaded, initialised driver: its version (e.g. 12080 for CUDA 12.8).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Driver {
     /// `cuDriverGetVersion`.
     pub version: i32,
+    /// `Some(description)` when it is the simulated driver of ferroccl's tests
+    /// (`FERROCCL_CUDA_DRIVER`), which runs kernels on host threads: never a GPU.
+    pub simulated: Option<String>,
 }
+
+/// The variable that names a CUDA driver library to load instead of the system's
+/// `libcuda.so.1` (the tests' simulated driver, `tests/simcuda/`).
+pub const DRIVER_VARIABLE: &str = "FERROCCL_CUDA_DRIVER";
+
+/// The symbol by which the simulated driver says what it is.
+const SIMULATED_MARK: &str = "ferroccl_simcuda_describe";
 
 /// The CUDA driver, or why it cannot be used (no `libcuda.so.1`, a symbol missing,
 /// `cuInit` failing — e.g. no device or a driver/kernel-module mismatch).
@@ -72,6 +82,22 @@ pub fn driver() -> Result<Driver> {
 }
 
 fn load_driver() -> std::result::Result<Driver, String> {
+    let chosen = std::env::var_os(DRIVER_VARIABLE).filter(|p| !p.is_empty());
+    if let Some(path) = &chosen {
+        // Loaded by path and kept loaded: cudarc's lookup by name then finds this library
+        // (glibc matches the name against the SONAME of what is already loaded).
+        // SAFETY: loading a driver library runs its initialisers, which have no
+        // preconditions.
+        match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => std::mem::forget(lib),
+            Err(e) => {
+                return Err(format!(
+                    "{DRIVER_VARIABLE}={}: {e}",
+                    std::path::Path::new(path).display()
+                ));
+            }
+        }
+    }
     // SAFETY: probing for the library only dlopens candidates by name.
     if !unsafe { sys::is_culib_present() } {
         return Err(
@@ -88,14 +114,37 @@ fn load_driver() -> std::result::Result<Driver, String> {
             "the CUDA driver (libcuda.so.1) has no {name}: it is too old for ferroccl"
         ));
     }
+    let simulated = simulated_description(lib);
+    if let (Some(path), None) = (&chosen, &simulated) {
+        return Err(format!(
+            "{DRIVER_VARIABLE}={} was loaded, but this process uses another CUDA driver \
+             (loaded before ferroccl looked): the simulated driver must be chosen before \
+             anything loads libcuda",
+            std::path::Path::new(path).display()
+        ));
+    }
+    if let Some(what) = &simulated {
+        tracing::info!("CUDA driver: SIMULATED, {what} (not a GPU)");
+    }
     // SAFETY: every symbol used below exists (checked above).
     unsafe {
         check(sys::cuInit(0), "cuInit").map_err(|e| e.to_string())?;
         let mut version: c_int = 0;
         check(sys::cuDriverGetVersion(&mut version), "cuDriverGetVersion")
             .map_err(|e| e.to_string())?;
-        Ok(Driver { version })
+        Ok(Driver { version, simulated })
     }
+}
+
+/// What the simulated driver says it is, when `lib` is that driver.
+fn simulated_description(lib: &libloading::Library) -> Option<String> {
+    type Describe = unsafe extern "C" fn() -> *const std::ffi::c_char;
+    // SAFETY: the simulated driver exports this symbol with this signature; a real
+    // driver does not export it.
+    let describe = unsafe { lib.get::<Describe>(SIMULATED_MARK.as_bytes()) }.ok()?;
+    // SAFETY: a static NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(describe()) };
+    Some(text.to_string_lossy().into_owned())
 }
 
 /// Turns a driver result into `Ok` or an [`Error::Cuda`] naming the call and the error.
@@ -575,7 +624,10 @@ impl MappedHostBuffer {
                 "cuMemHostAlloc",
             )?;
             std::ptr::write_bytes(host as *mut u8, 0, bytes.max(1));
-            let b = MappedHostBuffer {
+            // Owns the allocation from here on: an error below frees it once, and
+            // success fills in the device address of this same value (building a new
+            // value from it with `..b` would drop `b`, freeing the memory returned).
+            let mut b = MappedHostBuffer {
                 host: host as *mut u8,
                 device: 0,
                 bytes,
@@ -585,7 +637,8 @@ impl MappedHostBuffer {
                 sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
                 "cuMemHostGetDevicePointer",
             )?;
-            Ok(MappedHostBuffer { device, ..b })
+            b.device = device;
+            Ok(b)
         }
     }
 
@@ -718,6 +771,7 @@ impl Function {
             return Ok(*f);
         }
         let arch = compute_capability(device)?;
+        nvrtc::check_driver_supports(nvrtc::compiler()?.version, driver()?.version)?;
         let cubin = nvrtc::cubin(source, arch)?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
         let name = std::ffi::CString::new(entry).map_err(|_| Error::invalid("entry name"))?;

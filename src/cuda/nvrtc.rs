@@ -9,14 +9,23 @@
 //! Each source compiles to a cubin for `sm_XY` with `--fmad=false` (results must be bit
 //! for bit those of the host kernels: no contraction of `a + b * s` into one rounding)
 //! and ptxas's report (`--ptxas-options=-v`), kept with the image so that tests can
-//! hold every kernel to a register budget and to zero spills. [`cubin`] caches images per
-//! (source, architecture) for the life of the process.
+//! hold every kernel to a register budget and to zero spills.
+//!
+//! Compiling `executor.cu` takes NVRTC over a minute on a small machine, inside a rank's
+//! first device call while its peers wait. [`cubin`] therefore keeps each image on disk
+//! as well as in memory: under `FERROCCL_CACHE_DIR` (default `$XDG_CACHE_HOME/ferroccl`,
+//! else `~/.cache/ferroccl`), named by the source's and header's hash, the architecture
+//! and NVRTC's version, written atomically (a temporary file renamed into place) under a
+//! lock file, so that concurrent ranks compile once and a second process or run loads the
+//! image in milliseconds. A cache that cannot be written is only slower.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::sys;
+use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 
@@ -84,7 +93,13 @@ fn load() -> std::result::Result<Compiler, String> {
     if let Some(path) = std::env::var_os("FERROCCL_NVRTC") {
         let mut path = std::path::PathBuf::from(path);
         if path.is_dir() {
-            path.push("libnvrtc.so.13");
+            // NVRTC 13 (the wheel torch installs), else 12, else an unversioned name.
+            let dir = path.clone();
+            path = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+                .iter()
+                .map(|name| dir.join(name))
+                .find(|p| p.exists())
+                .unwrap_or_else(|| dir.join("libnvrtc.so.13"));
         }
         // Loaded by path and kept loaded: cudarc's lookup by soname then finds it.
         // SAFETY: loading NVRTC runs its initialisers, which have no preconditions.
@@ -183,6 +198,34 @@ impl Cubin {
     }
 }
 
+/// NVRTC's options for `arch`.
+fn options(arch: (u32, u32)) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
+        "--std=c++17".into(),
+        "--fmad=false".into(),
+        "--ptxas-options=-v".into(),
+    ]
+}
+
+/// Refuses NVRTC whose cubins the driver cannot load: a cubin from NVRTC of CUDA major
+/// version M needs a driver that supports CUDA M (minor versions of one major are
+/// compatible). `driver` is `cuDriverGetVersion`'s number (e.g. 12080).
+pub fn check_driver_supports(compiler: (i32, i32), driver: i32) -> Result<()> {
+    let (major, minor) = (driver / 1000, driver % 1000 / 10);
+    if major >= compiler.0 {
+        return Ok(());
+    }
+    Err(Error::Cuda {
+        what: format!(
+            "NVRTC {}.{} makes cubins that need a driver for CUDA {}, but the CUDA driver \
+             supports CUDA {major}.{minor} (cuDriverGetVersion {driver}): update the NVIDIA \
+             driver, or point FERROCCL_NVRTC at NVRTC {major}.x",
+            compiler.0, compiler.1, compiler.0
+        ),
+    })
+}
+
 /// Compiles `source` for `sm_{major}{minor}` (no cache; see [`cubin`]).
 pub fn compile(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
     compiler()?;
@@ -191,15 +234,10 @@ pub fn compile(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
     let name = CString::new(source.name).map_err(|_| cuda("kernel name has a NUL".into()))?;
     let header = CString::new(HEADER.1).map_err(|_| cuda("header has a NUL".into()))?;
     let header_name = CString::new(HEADER.0).map_err(|_| cuda("header name has a NUL".into()))?;
-    let options: Vec<CString> = [
-        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
-        "--std=c++17".into(),
-        "--fmad=false".into(),
-        "--ptxas-options=-v".into(),
-    ]
-    .into_iter()
-    .map(|o| CString::new(o).expect("options have no NUL"))
-    .collect();
+    let options: Vec<CString> = options(arch)
+        .into_iter()
+        .map(|o| CString::new(o).expect("options have no NUL"))
+        .collect();
     let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     let mut program: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: NVRTC is loaded with every symbol used here (checked by `compiler`). All
@@ -237,7 +275,8 @@ pub fn compile(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
     }
 }
 
-/// The cubin of `source` for `arch`, compiled once per process.
+/// The cubin of `source` for `arch`: from this process's memory, else from the disk
+/// cache ([`cache_dir`]), else compiled (and then kept in both).
 pub fn cubin(source: &KernelSource, arch: (u32, u32)) -> Result<Arc<Cubin>> {
     type Cache = Mutex<HashMap<(&'static str, (u32, u32)), Arc<Cubin>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -249,12 +288,110 @@ pub fn cubin(source: &KernelSource, arch: (u32, u32)) -> Result<Arc<Cubin>> {
     {
         return Ok(c.clone());
     }
-    let compiled = Arc::new(compile(source, arch)?);
+    let compiled = Arc::new(cached_on_disk(source, arch)?);
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert((source.name, arch), compiled.clone());
     Ok(compiled)
+}
+
+/// The directory of the cubin cache: `FERROCCL_CACHE_DIR`, else `$XDG_CACHE_HOME/ferroccl`,
+/// else `$HOME/.cache/ferroccl`; `None` when none is set.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    var("FERROCCL_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("ferroccl")))
+        .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/ferroccl")))
+}
+
+/// The file name of `source`'s cubin for `arch` from NVRTC `version`: the hash covers
+/// the source, the header it includes and the compile options.
+pub fn cache_name(source: &KernelSource, arch: (u32, u32), version: (i32, i32)) -> String {
+    let mut hash = Sha256::new();
+    for part in [source.name, source.text, HEADER.1] {
+        hash.update((part.len() as u64).to_le_bytes());
+        hash.update(part.as_bytes());
+    }
+    for option in options(arch) {
+        hash.update(option.as_bytes());
+    }
+    let digest: String = hash.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let stem = source.name.trim_end_matches(".cu");
+    format!(
+        "{stem}-sm_{}{}-nvrtc{}.{}-{digest}.cubin",
+        arch.0, arch.1, version.0, version.1
+    )
+}
+
+fn cached_on_disk(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
+    let version = compiler()?.version;
+    let Some(dir) = cache_dir() else {
+        return compile(source, arch);
+    };
+    let path = dir.join(cache_name(source, arch, version));
+    if let Some(hit) = read_cached(&path, source, arch) {
+        return Ok(hit);
+    }
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        tracing::warn!("cubin cache {}: {e}; compiling without it", dir.display());
+        return compile(source, arch);
+    }
+    // One compiler per cache entry at a time: the others wait for its file.
+    let lock = match std::fs::File::create(path.with_extension("lock")) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("cubin cache {}: {e}; compiling without it", dir.display());
+            return compile(source, arch);
+        }
+    };
+    // SAFETY: flock on a file this function holds open; released when it is closed.
+    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+    if let Some(hit) = read_cached(&path, source, arch) {
+        return Ok(hit);
+    }
+    let started = std::time::Instant::now();
+    let compiled = compile(source, arch)?;
+    tracing::info!(
+        "NVRTC compiled {} for sm_{}{} in {:.1} s; cached as {}",
+        source.name,
+        arch.0,
+        arch.1,
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    if let Err(e) = write_cached(&path, &compiled) {
+        tracing::warn!("cubin cache {}: {e}", path.display());
+    }
+    Ok(compiled)
+}
+
+/// The cached image and log at `path` (the log beside it), if both are there.
+fn read_cached(path: &Path, source: &KernelSource, arch: (u32, u32)) -> Option<Cubin> {
+    let image = std::fs::read(path).ok()?;
+    let log = std::fs::read_to_string(path.with_extension("log")).ok()?;
+    image.starts_with(b"\x7fELF").then(|| Cubin {
+        source: source.name,
+        arch,
+        image,
+        log,
+    })
+}
+
+/// Writes the log, then the image, each through a temporary file renamed into place, so
+/// that a reader finds a whole image with its log or nothing.
+fn write_cached(path: &Path, cubin: &Cubin) -> std::io::Result<()> {
+    let atomically = |to: PathBuf, bytes: &[u8]| -> std::io::Result<()> {
+        let tmp = to.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, &to)
+    };
+    atomically(path.with_extension("log"), cubin.log.as_bytes())?;
+    atomically(path.to_path_buf(), &cubin.image)
 }
 
 /// # Safety

@@ -265,3 +265,110 @@ pub fn element_bytes(dtype: ferroccl::DataType, seed: u64, out: &mut [u8]) {
         });
     });
 }
+
+/// ferroccl's simulated CUDA driver (`tests/simcuda/simcuda.cpp`, with the host builds of
+/// `kernels/*.cu`), built with the C++ compiler once per version of its sources (under
+/// `target/simcuda/`, written atomically so that concurrent test processes share it).
+pub fn simulated_driver() -> std::path::PathBuf {
+    use sha2::Digest;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = [
+        "tests/simcuda/simcuda.cpp",
+        "kernels/host/shim.h",
+        "kernels/ferroccl.cuh",
+        "kernels/executor.cu",
+        "kernels/reduce.cu",
+    ];
+    let mut hash = sha2::Sha256::new();
+    for s in sources {
+        hash.update(std::fs::read(root.join(s)).expect("read the simulated driver's sources"));
+    }
+    let digest: String = hash.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dir = root.join("target/simcuda").join(digest);
+    let lib = dir.join("libcuda.so.1");
+    if lib.exists() {
+        return lib;
+    }
+    std::fs::create_dir_all(&dir).expect("make target/simcuda");
+    let tmp = dir.join(format!("libcuda.so.1.tmp{}", std::process::id()));
+    let status = std::process::Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .args([
+            "-std=c++20",
+            "-O2",
+            "-ffp-contract=off",
+            "-Wall",
+            "-Wextra",
+            "-Wno-missing-field-initializers",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-fvisibility=hidden",
+            // cudarc asks for "libcuda.so" first: glibc gives the already-loaded library
+            // whose SONAME is the name asked for.
+            "-Wl,-soname,libcuda.so",
+            "-o",
+        ])
+        .arg(&tmp)
+        .arg(root.join(sources[0]))
+        .status()
+        .expect("run the C++ compiler (c++)");
+    assert!(
+        status.success(),
+        "tests/simcuda/simcuda.cpp does not compile"
+    );
+    std::fs::rename(&tmp, &lib).expect("put the simulated driver in place");
+    lib
+}
+
+/// Where the tests keep NVRTC's cubins (shared by every test process of a run).
+pub fn cubin_cache() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ferroccl-cache")
+}
+
+/// The environment that puts a process (and the rank processes it starts) on the
+/// simulated driver with `gpus` GPUs: the driver, NVRTC from PyPI, the shared cubin
+/// cache.
+pub fn simulated_gpu_env(gpus: usize) -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![
+        ("FERROCCL_CUDA_DRIVER", simulated_driver().into_os_string()),
+        ("FERROCCL_SIM_GPUS", gpus.to_string().into()),
+        ("FERROCCL_NVRTC", nvidia_lib("nvrtc").into_os_string()),
+        ("FERROCCL_CACHE_DIR", cubin_cache().into_os_string()),
+    ]
+}
+
+/// Whether this process runs on a real GPU: one is there and
+/// `FERROCCL_TEST_SIMULATED_GPU` does not ask for the simulated driver. Otherwise it
+/// selects the simulated driver (unless one was chosen already), with
+/// `FERROCCL_SIM_GPUS` GPUs (default `default_gpus`). Call it before anything loads the
+/// driver.
+pub fn real_gpu_or_simulated(default_gpus: usize) -> bool {
+    static REAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REAL.get_or_init(|| {
+        if std::env::var_os("FERROCCL_CUDA_DRIVER").is_none()
+            && std::env::var_os("FERROCCL_TEST_SIMULATED_GPU").is_none()
+            // SAFETY: probing for NVIDIA's driver by its soname; its initialisers have no
+            // preconditions.
+            && unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
+        {
+            nvrtc_from_pypi();
+            return true;
+        }
+        let gpus = std::env::var("FERROCCL_SIM_GPUS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default_gpus);
+        for (name, value) in simulated_gpu_env(gpus) {
+            if std::env::var_os(name).is_none() || name == "FERROCCL_SIM_GPUS" {
+                // SAFETY: set before the driver or NVRTC is loaded (the caller's
+                // contract), while the test's threads read no environment.
+                unsafe { std::env::set_var(name, value) };
+            }
+        }
+        false
+    })
+}
