@@ -40,7 +40,19 @@ inline thread_local FcclDim3 block_dim;
 inline thread_local FcclDim3 grid_dim;
 inline thread_local Block* block;
 
-inline void pause() { sched_yield(); }
+// A scheduler of the block's threads as fibers on one host thread (the simulated CUDA
+// driver's, tests/simcuda) sets these on that thread: a spin then yields to the next
+// fiber, and `__syncthreads()` waits for the block's other fibers. Unset, every
+// simulated thread is a host thread.
+inline thread_local void (*yield_hook)() = nullptr;
+inline thread_local void (*sync_hook)() = nullptr;
+
+inline void pause() {
+  if (yield_hook)
+    yield_hook();
+  else
+    sched_yield();
+}
 
 // The block's shared arena as one `T` (each kernel declares one shared struct).
 template <typename T>
@@ -77,4 +89,5 @@ void launch(void (*kernel)(Params...), uint32_t blocks, uint32_t threads, Args..
 #define blockIdx (fccl_shim::block_idx)
 #define blockDim (fccl_shim::block_dim)
 #define gridDim (fccl_shim::grid_dim)
-#define __syncthreads() (fccl_shim::block->barrier.arrive_and_wait())
+#define __syncthreads() \
+  (fccl_shim::sync_hook ? fccl_shim::sync_hook() : fccl_shim::block->barrier.arrive_and_wait())

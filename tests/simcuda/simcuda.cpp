@@ -33,6 +33,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -528,29 +529,10 @@ std::set<Function*> functions;
 int resident[64];
 std::condition_variable residency;
 
-struct BlockRun {
-  const KernelDef* def;
-  const Params* params;
-  uint32_t block, blocks, threads;
-  fccl_shim::Block* shared;
-};
-
-void* thread_main(void* arg) {
-  auto* a = (std::pair<BlockRun*, uint32_t>*)arg;
-  BlockRun* b = a->first;
-  fccl_shim::thread_idx = {a->second, 0, 0};
-  fccl_shim::block_idx = {b->block, 0, 0};
-  fccl_shim::block_dim = {b->threads, 1, 1};
-  fccl_shim::grid_dim = {b->blocks, 1, 1};
-  fccl_shim::block = b->shared;
-  b->def->body(*b->params);
-  return nullptr;
-}
-
 std::vector<pthread_t> spawn(size_t n, void* (*f)(void*), std::function<void*(size_t)> arg) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, 256 << 10);
+  pthread_attr_setstacksize(&attr, 1 << 20);
   std::vector<pthread_t> out(n);
   for (size_t i = 0; i < n; i++) {
     if (pthread_create(&out[i], &attr, f, arg(i)) != 0) {
@@ -569,6 +551,51 @@ struct GridRun {
   int device;
 };
 
+// One block's threads as fibers on one host thread, switched cooperatively: at a spin
+// (fccl_pause) a fiber yields to the next; at __syncthreads it waits until every fiber
+// of the block has arrived. The host thread gives its core away after a round in which
+// no fiber finished and no barrier opened (every fiber waits on another block, rank or
+// the host). (A host thread per simulated thread, as kernels/host/shim.h's
+// own launch does, makes hundreds of threads per block: on 2 cores most of the time
+// went to creating them and to sched_yield.)
+struct Fibers {
+  ucontext_t scheduler;
+  std::vector<ucontext_t> fibers;
+  std::vector<bool> done;
+  uint32_t running = 0;
+  uint32_t arrived = 0;  // at the barrier now
+  uint64_t generation = 0;
+  bool progressed = false;  // in this round: a fiber finished, or a barrier opened
+  const GridRun* grid;
+};
+
+thread_local Fibers* fibers_here;
+
+void fiber_yield() {
+  Fibers* f = fibers_here;
+  swapcontext(&f->fibers[f->running], &f->scheduler);
+}
+
+void fiber_sync() {
+  Fibers* f = fibers_here;
+  uint64_t g = f->generation;
+  if (++f->arrived == f->grid->threads) {
+    f->arrived = 0;
+    f->generation++;
+    f->progressed = true;
+    return;
+  }
+  while (f->generation == g) swapcontext(&f->fibers[f->running], &f->scheduler);
+}
+
+void fiber_main() {
+  Fibers* f = fibers_here;
+  f->grid->def->body(f->grid->params);
+  f->done[f->running] = true;
+  f->progressed = true;
+  // Returning resumes uc_link: the scheduler.
+}
+
 void* block_main(void* arg) {
   auto* a = (std::pair<GridRun*, uint32_t>*)arg;
   GridRun* g = a->first;
@@ -577,14 +604,47 @@ void* block_main(void* arg) {
     residency.wait(lock, [&] { return resident[g->device] < config.resident_blocks; });
     resident[g->device]++;
   }
-  fccl_shim::Block shared(g->threads);
-  BlockRun b{g->def, &g->params, a->second, g->blocks, g->threads, &shared};
-  std::vector<std::pair<BlockRun*, uint32_t>> args(g->threads);
-  auto ts = spawn(g->threads, thread_main, [&](size_t i) {
-    args[i] = {&b, (uint32_t)i};
-    return (void*)&args[i];
-  });
-  for (pthread_t t : ts) pthread_join(t, nullptr);
+  fccl_shim::Block shared(1);
+  fccl_shim::block_idx = {a->second, 0, 0};
+  fccl_shim::block_dim = {g->threads, 1, 1};
+  fccl_shim::grid_dim = {g->blocks, 1, 1};
+  fccl_shim::block = &shared;
+  fccl_shim::yield_hook = fiber_yield;
+  fccl_shim::sync_hook = fiber_sync;
+  const size_t stack = 64 << 10;
+  char* stacks = (char*)mmap(nullptr, stack * g->threads, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (stacks == MAP_FAILED) {
+    say("cannot map fiber stacks");
+    abort();
+  }
+  Fibers f;
+  f.grid = g;
+  f.fibers.resize(g->threads);
+  f.done.assign(g->threads, false);
+  fibers_here = &f;
+  for (uint32_t t = 0; t < g->threads; t++) {
+    getcontext(&f.fibers[t]);
+    f.fibers[t].uc_stack.ss_sp = stacks + t * stack;
+    f.fibers[t].uc_stack.ss_size = stack;
+    f.fibers[t].uc_link = &f.scheduler;
+    makecontext(&f.fibers[t], fiber_main, 0);
+  }
+  uint32_t left = g->threads;
+  while (left > 0) {
+    f.progressed = false;
+    for (uint32_t t = 0; t < g->threads; t++) {
+      if (f.done[t]) continue;
+      f.running = t;
+      fccl_shim::thread_idx = {t, 0, 0};
+      swapcontext(&f.scheduler, &f.fibers[t]);
+      if (f.done[t]) left--;
+    }
+    if (!f.progressed) sched_yield();  // every fiber waits on something outside the block
+  }
+  fccl_shim::yield_hook = nullptr;
+  fccl_shim::sync_hook = nullptr;
+  munmap(stacks, stack * g->threads);
   {
     std::lock_guard<std::mutex> lock(mu);
     resident[g->device]--;
