@@ -4,6 +4,10 @@
 
 use std::process::{Command, Output};
 
+// The simulated CUDA driver's helpers.
+#[allow(unused_imports)]
+mod common;
+
 fn tool(name: &str) -> String {
     match name {
         "all_reduce_perf" => env!("CARGO_BIN_EXE_all_reduce_perf"),
@@ -224,6 +228,50 @@ fn device_memory_without_a_driver_is_a_clear_error() {
         assert_eq!(out.status.code(), Some(1), "{args}: {stderr}");
         assert!(stderr.contains("CUDA"), "{args}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args}: {stderr}");
+    }
+}
+
+/// `--memory cuda` on the simulated CUDA driver (`tests/simcuda`): rank processes (`-np`)
+/// and rank threads (`-t`), ranks on GPUs of their own and several ranks on one GPU (with
+/// CUDA IPC between processes); every row checked (`#wrong` 0) by the tool itself.
+#[test]
+fn device_memory_sweeps_on_the_simulated_driver() {
+    let cases = [
+        ("all_reduce_perf", "-np 2", 2),
+        ("all_reduce_perf", "-np 4", 1),
+        ("all_reduce_perf", "-t 3", 2),
+        ("reduce_scatter_perf", "-np 2", 1),
+        ("all_gather_perf", "-np 3", 3),
+        ("broadcast_perf", "-np 2", 2),
+        ("reduce_perf", "-t 2", 2),
+    ];
+    for (name, ranks, gpus) in cases {
+        let args = format!("--memory cuda {ranks} -b 8 -e 256K -f 8 -n 2 -w 1 -d int32 -c 1");
+        let out = Command::new(tool(name))
+            .args(args.split_whitespace())
+            .arg("--no-progress")
+            .env_remove("RANK")
+            .envs(common::simulated_gpu_env(gpus))
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        let what = format!("{name} {args} on {gpus} simulated GPU(s)");
+        assert!(out.status.success(), "{what}:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("device cuda:0 (SIMULATED driver)"),
+            "{what}: the header names the simulated driver:\n{stdout}"
+        );
+        let table = rows(&stdout);
+        assert_eq!(table.len(), 6, "{what}: 8 B .. 256 KiB by 8:\n{stdout}");
+        for row in &table {
+            // Columns: size count type redop root | time algbw busbw #wrong | in place.
+            assert_eq!(row[8], "0", "{what}: out of place wrong:\n{stdout}");
+            assert_eq!(row[12], "0", "{what}: in place wrong:\n{stdout}");
+        }
+        assert!(
+            stdout.contains("Out of bounds values : 0 OK"),
+            "{what}:\n{stdout}"
+        );
     }
 }
 

@@ -143,6 +143,22 @@ fn main() -> ExitCode {
         Some(why) => println!("  ({why}: GPUs from sysfs, NVLink unknown)"),
         None => {}
     }
+    match ferroccl::cuda::driver() {
+        Ok(d) => match &d.simulated {
+            Some(what) => println!(
+                "  CUDA driver: SIMULATED ({what}; FERROCCL_CUDA_DRIVER): not a GPU, {} \
+                 simulated device(s)",
+                ferroccl::cuda::device_count()
+            ),
+            None => println!(
+                "  CUDA driver: {}.{} ({} device(s))",
+                d.version / 1000,
+                d.version % 1000 / 10,
+                ferroccl::cuda::device_count()
+            ),
+        },
+        Err(why) => println!("  CUDA driver: none ({why})"),
+    }
     match ferroccl::transport::rdma_device_here() {
         Ok(dev) => println!(
             "  network: every rank here reaches ranks on other hosts over RDMA through {dev}"

@@ -53,6 +53,23 @@ impl Row {
 
 const RULE: &str = "#";
 
+/// Where rank `rank`'s buffers are: `host-memory`, or its GPU (`rank % GPUs`, as
+/// [`super::device`] binds it), marked when the CUDA driver is the tests' simulated one.
+fn memory_label(memory: super::args::Memory, rank: usize) -> String {
+    match memory {
+        super::args::Memory::Host => "host-memory".into(),
+        super::args::Memory::Cuda => {
+            let gpus = crate::cuda::device_count().max(1);
+            let simulated = crate::cuda::driver().is_ok_and(|d| d.simulated.is_some());
+            format!(
+                "cuda:{}{}",
+                rank % gpus,
+                if simulated { " (SIMULATED driver)" } else { "" }
+            )
+        }
+    }
+}
+
 /// The lines before the table: the run, the ranks, the column headings.
 pub fn header(test: Test, args: &PerfArgs, comm: &Communicator) -> String {
     let mut s = String::new();
@@ -85,8 +102,11 @@ pub fn header(test: Test, args: &PerfArgs, comm: &Communicator) -> String {
     for p in comm.peers() {
         let _ = writeln!(
             s,
-            "#  Rank {:2} Group  0 Pid {:6} on {:>10} device host-memory",
-            p.rank, p.pid, p.hostname
+            "#  Rank {:2} Group  0 Pid {:6} on {:>10} device {}",
+            p.rank,
+            p.pid,
+            p.hostname,
+            memory_label(args.memory, p.rank)
         );
     }
     let c = comm.config();
