@@ -15,7 +15,9 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use ferroccl::comm::{CommConfig, Communicator};
 use ferroccl::cuda::{self, nvrtc, work};
@@ -544,4 +546,180 @@ fn gpu_ferroccl_and_nvidia_nccl_agree_bit_for_bit_on_integer_data() {
             "{n} ranks, {protocol:?}: ferroccl's all-reduce differs from NCCL's"
         );
     }
+}
+
+/// A communicator of `n` ranks on GPU 0 of this process with a short timeout.
+fn short_timeout_comms(n: usize, timeout: std::time::Duration) -> Vec<Communicator> {
+    let config = CommConfig {
+        timeout,
+        ..device_config(Protocol::Simple)
+    };
+    Communicator::init_all_with(n, config).unwrap()
+}
+
+/// An all-reduce of [`COUNT`] int32 on `stream`'s device buffers (kept by the caller).
+///
+/// # Safety
+/// `x` and `out` are device buffers of [`COUNT`] elements of `stream`'s context.
+unsafe fn enqueue_all_reduce(
+    c: &Communicator,
+    x: &cudarc::driver::CudaSlice<i32>,
+    out: &mut cudarc::driver::CudaSlice<i32>,
+    stream: &Arc<CudaStream>,
+) -> ferroccl::Result<()> {
+    let call = ferroccl::comm::RawCall {
+        collective: Collective::AllReduce,
+        count: COUNT,
+        dtype: DataType::Int32,
+        op: ReduceOp::Sum,
+        input: x.device_ptr(stream).0 as *const u8,
+        output: out.device_ptr(stream).0 as *mut u8,
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { c.enqueue_device(&[call], stream.cu_stream() as *mut std::ffi::c_void) }
+}
+
+/// One all-reduce by every rank of `comms`, each on a stream of its own on `ctx`'s GPU,
+/// so that their FIFOs are connected; checked.
+fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
+    let n = comms.len();
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || {
+                ctx.bind_to_thread().unwrap();
+                let stream = ctx.new_stream().unwrap();
+                let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
+                let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+                // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
+                unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
+                stream.synchronize().unwrap();
+                c.synchronize_device().unwrap();
+                let want: Vec<i32> = (0..COUNT)
+                    .map(|i| (0..n).map(|r| int_input(r, COUNT)[i]).sum())
+                    .collect();
+                assert_eq!(stream.clone_dtoh(&out).unwrap(), want);
+            });
+        }
+    });
+}
+
+/// A rank whose peer never makes its call: the user's own stream synchronisation returns
+/// once the communicator's timeout has passed (the watchdog tells the executor to stop
+/// waiting, with nobody calling `synchronize_device`), and the next call names the
+/// timeout.
+#[test]
+fn gpu_a_stream_held_by_a_peer_that_never_calls_is_given_back_after_the_timeout() {
+    let Some((ctx, _)) = gpu() else { return };
+    let timeout = std::time::Duration::from_secs(2);
+    let comms = short_timeout_comms(2, timeout);
+    let stream = ctx.new_stream().unwrap();
+    let x = stream.clone_htod(&int_input(0, COUNT)).unwrap();
+    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+    warm_up(&ctx, &comms);
+    let started = std::time::Instant::now();
+    // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
+    unsafe { enqueue_all_reduce(&comms[0], &x, &mut out, &stream) }.unwrap();
+    stream.synchronize().unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited >= timeout && waited < timeout * 5,
+        "the stream came back after {waited:?} (timeout {timeout:?})"
+    );
+    let err = comms[0].synchronize_device().unwrap_err();
+    assert!(
+        matches!(err, ferroccl::Error::Timeout { .. }) && err.to_string().contains("all_reduce"),
+        "{err}"
+    );
+}
+
+/// Two ranks of one communicator on one stream would wait on each other forever: the
+/// second is refused with an error that says so, and the first's stream comes back after
+/// the timeout.
+#[test]
+fn gpu_two_ranks_on_one_stream_are_refused() {
+    let Some((ctx, _)) = gpu() else { return };
+    let timeout = std::time::Duration::from_secs(2);
+    let comms = short_timeout_comms(2, timeout);
+    warm_up(&ctx, &comms);
+    let stream = ctx.new_stream().unwrap();
+    let xs: Vec<_> = (0..2)
+        .map(|r| stream.clone_htod(&int_input(r, COUNT)).unwrap())
+        .collect();
+    let mut outs: Vec<_> = (0..2)
+        .map(|_| stream.alloc_zeros::<i32>(COUNT).unwrap())
+        .collect();
+    let (first, second) = outs.split_at_mut(1);
+    // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
+    unsafe { enqueue_all_reduce(&comms[0], &xs[0], &mut first[0], &stream) }.unwrap();
+    // SAFETY: as above.
+    let err = unsafe { enqueue_all_reduce(&comms[1], &xs[1], &mut second[0], &stream) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ranks 0 and 1") && err.contains("same CUDA stream"),
+        "{err}"
+    );
+    stream.synchronize().unwrap();
+    assert!(comms[0].synchronize_device().is_err());
+}
+
+/// A call on a stream being captured into a CUDA graph is refused, saying why, and the
+/// communicator still works afterwards.
+#[test]
+fn gpu_a_capturing_stream_is_refused_clearly() {
+    use cudarc::driver::sys;
+    let Some((ctx, _)) = gpu() else { return };
+    let comms = short_timeout_comms(1, std::time::Duration::from_secs(30));
+    let stream = ctx.new_stream().unwrap();
+    let x = stream.clone_htod(&int_input(0, COUNT)).unwrap();
+    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+    stream.synchronize().unwrap();
+    // Raw addresses, taken before the capture (cudarc's own stream ordering would queue
+    // event waits into it).
+    let call = ferroccl::comm::RawCall {
+        collective: Collective::AllReduce,
+        count: COUNT,
+        dtype: DataType::Int32,
+        op: ReduceOp::Sum,
+        input: x.device_ptr(&stream).0 as *const u8,
+        output: out.device_ptr_mut(&stream).0 as *mut u8,
+    };
+    stream.synchronize().unwrap();
+    let raw_stream = stream.cu_stream() as *mut std::ffi::c_void;
+    // SAFETY: a live stream of the current context.
+    let rc = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream.cu_stream(),
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )
+    };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: buffers of COUNT elements of this stream's context.
+    let err = unsafe { comms[0].enqueue_device(&[call], raw_stream) }
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("captured into a CUDA graph"), "{err}");
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: the capture begun above; nothing was queued in it.
+    let rc = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: as above, outside the capture now.
+    unsafe { comms[0].enqueue_device(&[call], raw_stream) }.unwrap();
+    stream.synchronize().unwrap();
+    comms[0].synchronize_device().unwrap();
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), int_input(0, COUNT));
+}
+
+/// A thread with no current context gets an error naming what to do, and no context is
+/// made for it on GPU 0 behind its back.
+#[test]
+fn gpu_a_thread_without_a_context_is_told_so() {
+    let Some(_) = gpu() else { return };
+    std::thread::spawn(|| {
+        let err = cuda::DeviceBuffer::zeroed(64).unwrap_err().to_string();
+        assert!(err.contains("no CUDA context is current"), "{err}");
+        assert!(cuda::current_context().unwrap().is_none());
+    })
+    .join()
+    .unwrap();
 }

@@ -879,8 +879,19 @@ impl Communicator {
                 self.config.ll_slots,
                 self.config.ll_payload_bytes,
             );
+            // Equal for this communicator's ranks (a hash of the members), so that two of
+            // them on one stream are told apart from two communicators' ranks.
+            let comm_key = self
+                .boot
+                .peers()
+                .iter()
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
+                    (h ^ p.host_hash() ^ u64::from(p.pid) ^ (p.rank as u64) << 32)
+                        .wrapping_mul(0x0100_0000_01b3)
+                });
             let launcher = crate::cuda::launch::Launcher::new(
                 self.rank,
+                comm_key,
                 ctx,
                 self.config.geometry(),
                 ll,
@@ -910,7 +921,12 @@ impl Communicator {
         // SAFETY: forwarded from this function's contract.
         let result =
             unsafe { device.enqueue(plan, &ops, stream, &*store, self.config.timeout, name, seq) };
-        if let Err(e) = &result {
+        // A call refused before it launched (a capturing stream, a stream shared by two
+        // ranks) leaves the communicator as it was; any other failure may have left FIFOs
+        // half used.
+        if let Err(e) = &result
+            && !matches!(e, Error::InvalidArgument { .. })
+        {
             self.set_failure(e.to_string());
         }
         result

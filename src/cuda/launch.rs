@@ -18,9 +18,9 @@
 //! ([`Launcher::abort`]: the communicator's abort, or a deadline passing in
 //! [`Launcher::wait_all`]) returns the stream to its owner.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::work::{self, FcclFifo, FcclLane, FcclOp, FcclStep, FcclWork};
@@ -122,7 +122,7 @@ impl Packed {
 struct Pending {
     op: &'static str,
     seq: u64,
-    event: Event,
+    event: Arc<Event>,
     status: MappedHostBuffer,
     nlanes: usize,
     staging: MappedHostBuffer,
@@ -179,11 +179,141 @@ impl AbortWord {
     }
 }
 
+/// A call the watchdog looks after: its completion event and deadline.
+struct Watched {
+    op: &'static str,
+    seq: u64,
+    event: Arc<Event>,
+    deadline: Instant,
+}
+
+/// What the launcher and its watchdog share.
+#[derive(Default)]
+struct WatchState {
+    calls: Vec<Watched>,
+    /// The call whose deadline passed (the watchdog then set the abort word).
+    expired: Option<(&'static str, u64)>,
+    stop: bool,
+}
+
+/// A thread that sets the abort word when a call in flight outlives the communicator's
+/// timeout, so that a stream waiting on a dead peer is given back even when nobody calls
+/// [`Launcher::wait_all`] (a user's `cudaStreamSynchronize` would otherwise wait
+/// forever).
+struct Watchdog {
+    shared: Arc<(Mutex<WatchState>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    fn start(rank: usize, abort: AbortWord) -> Result<Self> {
+        let shared: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferroccl-gpu-watch-{rank}"))
+            .spawn(move || Self::run(rank, &theirs, &abort))
+            .map_err(|e| Error::Cuda {
+                what: format!("cannot start the device watchdog thread: {e}"),
+            })?;
+        Ok(Watchdog {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn run(rank: usize, shared: &(Mutex<WatchState>, Condvar), abort: &AbortWord) {
+        let (state, wake) = shared;
+        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+        while !st.stop {
+            st.calls.retain(|w| !w.event.done().unwrap_or(true));
+            let now = Instant::now();
+            if st.expired.is_none()
+                && let Some(w) = st.calls.iter().find(|w| w.deadline <= now)
+            {
+                tracing::error!(
+                    "rank {rank}: {} #{} on the device did not finish within the \
+                     communicator's timeout: its executor is told to stop waiting on peers",
+                    w.op,
+                    w.seq
+                );
+                st.expired = Some((w.op, w.seq));
+                abort.set();
+            }
+            let next = st
+                .calls
+                .iter()
+                .map(|w| w.deadline.saturating_duration_since(now))
+                .min()
+                .unwrap_or(Duration::from_secs(3600))
+                .clamp(Duration::from_millis(1), Duration::from_millis(100));
+            st = wake
+                .wait_timeout(st, next)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.shared.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn watch(&self, w: Watched) {
+        self.lock().calls.push(w);
+        self.shared.1.notify_all();
+    }
+
+    fn expired(&self) -> Option<(&'static str, u64)> {
+        self.lock().expired
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.lock().stop = true;
+        self.shared.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Which rank of which communicator last enqueued which call on a stream (by the
+/// stream's handle, or its context's for the legacy default stream).
+type StreamUsers = Mutex<HashMap<usize, (u64, usize, u64)>>;
+
+/// Refuses a call that two ranks of one communicator put on one stream: their kernels
+/// must run at the same time, so the second would wait for the first forever (and the
+/// first for the second). `comm` identifies the communicator in this process.
+fn claim_stream(stream_key: usize, comm: u64, rank: usize, op: &str, seq: u64) -> Result<()> {
+    static USERS: OnceLock<StreamUsers> = OnceLock::new();
+    let mut users = USERS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(&(c, other, s)) = users.get(&stream_key)
+        && c == comm
+        && s == seq
+        && other != rank
+    {
+        return Err(Error::invalid(format!(
+            "ranks {other} and {rank} of one communicator enqueued {op} #{seq} on the same \
+             CUDA stream (or both on the legacy default stream of one context): their \
+             kernels must run at the same time, so each would wait for the other forever; \
+             give each rank a stream of its own"
+        )));
+    }
+    users.insert(stream_key, (comm, rank, seq));
+    Ok(())
+}
+
 /// One rank's device side: the executor, its FIFOs, its calls in flight, all in one
 /// CUDA context (the first call's), which every later call must use too.
 pub struct Launcher {
     rank: usize,
+    /// Identifies the communicator among those of this process (see [`claim_stream`]).
+    comm: u64,
     ctx: Context,
+    watchdog: Watchdog,
     timeout: Duration,
     executor: Function,
     fifos: DeviceFifos,
@@ -205,21 +335,27 @@ impl Launcher {
     /// The device side of `rank` in context `ctx`, with FIFOs shaped as the host's
     /// (`simple`, `ll`); `timeout` bounds the wait for peers and for calls in flight when
     /// it is dropped. Compiles (or takes from the cache) and loads the executor.
+    /// `comm` identifies the communicator among those of this process (equal for its
+    /// ranks here, different from other communicators').
     pub fn new(
         rank: usize,
+        comm: u64,
         ctx: Context,
         simple: Geometry,
         ll: Geometry,
         timeout: Duration,
     ) -> Result<Self> {
         let _current = ctx.push()?;
+        let abort_word = AbortWord(Arc::new(MappedHostBuffer::zeroed(4)?));
         Ok(Launcher {
             rank,
+            comm,
             ctx,
+            watchdog: Watchdog::start(rank, abort_word.clone())?,
             timeout,
             executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
             fifos: DeviceFifos::new(rank, simple, ll)?,
-            abort_word: AbortWord(Arc::new(MappedHostBuffer::zeroed(4)?)),
+            abort_word,
             pending: VecDeque::new(),
             pools: Pools::default(),
         })
@@ -256,6 +392,21 @@ impl Launcher {
     ) -> Result<()> {
         let _current = self.ctx.push()?;
         self.poll()?;
+        // SAFETY: the caller's stream, of this context.
+        if unsafe { super::is_capturing(stream)? } {
+            return Err(Error::invalid(format!(
+                "{op} #{seq}: the stream is being captured into a CUDA graph, and ferroccl's \
+                 device calls cannot be captured yet (each call's work, FIFO positions and \
+                 completion are host-side state of that one call, which a replay would \
+                 reuse); make the call outside the capture"
+            )));
+        }
+        let stream_key = if stream.is_null() {
+            self.ctx.0 as usize
+        } else {
+            stream as usize
+        };
+        claim_stream(stream_key, self.comm, self.rank, op, seq)?;
         if ops.len() != plan.ops.len() {
             return Err(Error::invalid(format!(
                 "device call: {} operations for a plan of {}",
@@ -318,7 +469,13 @@ impl Launcher {
                 .launch(packed.nlanes(), THREADS, stream, &mut params)?
         };
         // SAFETY: the caller's stream.
-        let event = unsafe { Event::record(stream)? };
+        let event = Arc::new(unsafe { Event::record(stream)? });
+        self.watchdog.watch(Watched {
+            op,
+            seq,
+            event: event.clone(),
+            deadline: Instant::now() + self.timeout,
+        });
         self.pending.push_back(Pending {
             op,
             seq,
@@ -401,6 +558,17 @@ impl Launcher {
             let s = unsafe { std::ptr::read_volatile((p.status.host() as *const u32).add(lane)) };
             match s {
                 0 => {}
+                1 if self.watchdog.expired().is_some() => {
+                    let (op, seq) = self.watchdog.expired().expect("checked");
+                    return Err(Error::Timeout {
+                        op: op.to_string(),
+                        seq,
+                        rank: self.rank,
+                        waiting_on: Vec::new(),
+                        stalled: None,
+                        waited: self.timeout,
+                    });
+                }
                 1 => {
                     return Err(Error::Aborted {
                         rank: self.rank,

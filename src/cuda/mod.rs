@@ -308,12 +308,30 @@ const RUNTIME_SYMBOLS: &[&str] = &[
     "cuDeviceCanAccessPeer",
     "cuCtxEnablePeerAccess",
     "cuMemcpyDtoH_v2",
+    "cuStreamIsCapturing",
 ];
 
-/// The driver, with every symbol the device path calls, and a context current on this
-/// thread (the caller's, as with NCCL, or device 0's primary context when none is).
-/// Returns the device of that context.
+/// The driver, with every symbol the device path calls, and the context current on this
+/// thread (the caller's, as with NCCL). Returns the device of that context. No context is
+/// made here: a rank that uses GPU 3 must not get one on GPU 0 (a context takes hundreds
+/// of MiB of that GPU's memory), so a thread with none is an error saying so.
 pub fn runtime() -> Result<usize> {
+    runtime_symbols()?;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: every symbol is present (checked above); the calls write one handle or int.
+    unsafe {
+        check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
+        if ctx.is_null() {
+            return Err(no_context());
+        }
+        let mut dev: sys::CUdevice = 0;
+        check(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice")?;
+        Ok(dev as usize)
+    }
+}
+
+/// The driver, with every symbol the device path calls (checked once).
+fn runtime_symbols() -> Result<()> {
     static CHECKED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     driver()?;
     CHECKED
@@ -329,24 +347,24 @@ pub fn runtime() -> Result<usize> {
             }
         })
         .clone()
-        .map_err(|what| Error::Cuda { what })?;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: every symbol is present (checked above); the calls write one handle or int.
-    unsafe {
-        check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")?;
-        if ctx.is_null() {
-            let mut dev: sys::CUdevice = 0;
-            check(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet(0)")?;
-            check(
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                "cuDevicePrimaryCtxRetain",
-            )?;
-            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
-        }
-        let mut dev: sys::CUdevice = 0;
-        check(sys::cuCtxGetDevice(&mut dev), "cuCtxGetDevice")?;
-        Ok(dev as usize)
+        .map_err(|what| Error::Cuda { what })
+}
+
+fn no_context() -> Error {
+    Error::Cuda {
+        what: "no CUDA context is current on this thread: make the rank's GPU current first \
+               (cudaSetDevice, torch.cuda.set_device, or cuCtxSetCurrent)"
+            .into(),
     }
+}
+
+/// The context current on this thread, if any (none is made).
+pub fn current_context() -> Result<Option<Context>> {
+    runtime_symbols()?;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the runtime symbols are present; the call writes one handle.
+    unsafe { check(sys::cuCtxGetCurrent(&mut ctx), "cuCtxGetCurrent")? };
+    Ok((!ctx.is_null()).then_some(Context(ctx)))
 }
 
 /// Makes device `ordinal`'s primary context (the one the CUDA runtime, and so torch,
@@ -410,9 +428,7 @@ impl Context {
             }
         }
         if ctx.is_null() {
-            return Err(Error::Cuda {
-                what: "no CUDA context is current on this thread (call cudaSetDevice first)".into(),
-            });
+            return Err(no_context());
         }
         Ok(Context(ctx))
     }
@@ -677,6 +693,8 @@ pub struct Event(sys::CUevent, Context);
 
 // SAFETY: CUDA events may be used from any thread of the process.
 unsafe impl Send for Event {}
+// SAFETY: the driver's event calls are thread-safe; the handle is not mutated.
+unsafe impl Sync for Event {}
 
 impl Event {
     /// A new event recorded on `stream` now.
@@ -874,6 +892,26 @@ impl Drop for Stream {
         // SAFETY: created by cuStreamCreate and destroyed once, in its context.
         let _ = unsafe { sys::cuStreamDestroy_v2(self.0) };
     }
+}
+
+/// Whether `stream` is being captured into a CUDA graph (the legacy default stream never
+/// is).
+///
+/// # Safety
+/// `stream` is a CUDA stream of this process (or NULL).
+pub unsafe fn is_capturing(stream: *mut c_void) -> Result<bool> {
+    if stream.is_null() {
+        return Ok(false);
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream (the caller's); the call writes one enum value.
+    unsafe {
+        check(
+            sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status),
+            "cuStreamIsCapturing",
+        )?
+    };
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 /// Copies `bytes` from device memory to host memory and waits for the copy (which

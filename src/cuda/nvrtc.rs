@@ -374,7 +374,10 @@ fn cached_on_disk(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
 fn read_cached(path: &Path, source: &KernelSource, arch: (u32, u32)) -> Option<Cubin> {
     let image = std::fs::read(path).ok()?;
     let log = std::fs::read_to_string(path.with_extension("log")).ok()?;
-    image.starts_with(b"\x7fELF").then(|| Cubin {
+    if !image.starts_with(b"\x7fELF") {
+        return None;
+    }
+    Some(Cubin {
         source: source.name,
         arch,
         image,

@@ -42,14 +42,26 @@ pub const DATA_OFFSET: u64 = 4096;
 /// Most slots a device FIFO may have (their counts must fit before the data).
 pub const MAX_SLOTS: usize = ((DATA_OFFSET - SIZES_OFFSET) / 4) as usize;
 
-const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIPC";
-/// Bytes of a published FIFO: magic, pid, device ordinal, device address, IPC handle.
-const EXPORT_BYTES: usize = 8 + 4 + 4 + 8 + 64;
+const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIP2";
+/// Bytes of a published FIFO: magic, process token, pid, device ordinal, device address,
+/// IPC handle.
+const EXPORT_BYTES: usize = 8 + 8 + 4 + 4 + 8 + 64;
+
+/// A random number drawn once per process: two ranks are in one process exactly when
+/// their tokens are equal. (A pid alone is not: processes on two hosts, or in two pid
+/// namespaces of one host, may share it.)
+pub fn process_token() -> u64 {
+    static TOKEN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TOKEN.get_or_init(|| rand::random::<u64>() | 1)
+}
 
 /// A FIFO as its receiver publishes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Export {
-    /// The receiver's process id (a sender in the same process uses `ptr` directly).
+    /// The receiver's [`process_token`] (a sender in the same process uses `ptr`
+    /// directly).
+    pub process: u64,
+    /// The receiver's process id (for messages).
     pub pid: u32,
     /// The receiver's GPU (a sender of the same process on another GPU enables peer
     /// access to it).
@@ -65,6 +77,7 @@ impl Export {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(EXPORT_BYTES);
         out.extend_from_slice(EXPORT_MAGIC);
+        out.extend_from_slice(&self.process.to_le_bytes());
         out.extend_from_slice(&self.pid.to_le_bytes());
         out.extend_from_slice(&self.device.to_le_bytes());
         out.extend_from_slice(&self.ptr.to_le_bytes());
@@ -82,11 +95,12 @@ impl Export {
             )));
         }
         let mut handle = [0u8; 64];
-        handle.copy_from_slice(&bytes[24..88]);
+        handle.copy_from_slice(&bytes[32..96]);
         Ok(Export {
-            pid: u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")),
-            device: u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")),
-            ptr: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
+            process: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
+            pid: u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes")),
+            device: u32::from_le_bytes(bytes[20..24].try_into().expect("4 bytes")),
+            ptr: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
             handle,
         })
     }
@@ -189,6 +203,7 @@ impl DeviceFifos {
             let fifo = DeviceBuffer::zeroed(allocation_bytes(&g))?;
             let stage = DeviceBuffer::zeroed(g.payload())?;
             let export = Export {
+                process: process_token(),
                 pid: std::process::id(),
                 device: crate::cuda::runtime()? as u32,
                 ptr: fifo.ptr(),
@@ -210,7 +225,7 @@ impl DeviceFifos {
             let k = key(end.channel, me, end.peer, end.protocol);
             store.wait(&[&k], timeout)?;
             let export = Export::decode(&k, &store.get(&k)?)?;
-            let base = if export.pid == std::process::id() {
+            let base = if export.process == process_token() {
                 // Same process: the receiver's pointer, reachable once peer access to
                 // its GPU is on (IPC handles cannot be opened in their own process).
                 crate::cuda::enable_peer_access(export.device as usize)?;
@@ -241,6 +256,7 @@ mod tests {
     #[test]
     fn an_export_round_trips_and_garbage_is_named() {
         let e = Export {
+            process: 0x1234_5678_9abc_def1,
             pid: 4242,
             device: 3,
             ptr: 0x7f00_0000_1000,
