@@ -9,6 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+// The simulated CUDA driver's helpers.
+#[allow(unused_imports)]
+mod common;
+
 /// The cdylib cargo built next to this test.
 fn cdylib() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
@@ -106,12 +110,23 @@ fn compile(name: &str, includes: &[&Path], lib: &Path, out: &Path) -> PathBuf {
 /// Runs `exe` once per argument list, all at once; fails the test on a non-zero exit,
 /// a missing "OK", or a run longer than `limit`.
 fn run_all(exe: &Path, arg_lists: &[Vec<String>], limit: Duration) -> Vec<String> {
+    run_all_with(exe, arg_lists, limit, &[])
+}
+
+/// [`run_all`] with more environment variables.
+fn run_all_with(
+    exe: &Path,
+    arg_lists: &[Vec<String>],
+    limit: Duration,
+    envs: &[(&str, std::ffi::OsString)],
+) -> Vec<String> {
     let mut children: Vec<Child> = arg_lists
         .iter()
         .map(|args| {
             Command::new(exe)
                 .args(args)
                 .env_remove("FERROCCL_TRANSPORT")
+                .envs(envs.iter().map(|(k, v)| (k, v)))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -206,6 +221,55 @@ fn c_programs_built_against_nvidias_nccl_h() {
         }
     };
     programs_pass(&[&nccl, &cuda]);
+}
+
+/// `tests/c/device.c` on the simulated CUDA driver (`tests/simcuda`): every collective on
+/// device buffers enqueued on a stream, in and out of place, over counts and dtypes, a
+/// group of device calls, `ncclMemAlloc` giving device memory; 2 ranks on GPUs of their
+/// own and 4 ranks on 2 GPUs (CUDA IPC between processes of one GPU and across GPUs);
+/// `ncclCommAbort` while a kernel waits on a peer that never calls, and the
+/// communicator's timeout doing the same with `ncclCommGetAsyncError` reporting it.
+#[test]
+fn c_programs_on_device_memory_of_the_simulated_driver() {
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    let dir = tempfile::tempdir().unwrap();
+    let lib = install(dir.path());
+    let device = compile("device", &[&include], &lib, dir.path());
+    let limit = Duration::from_secs(300);
+    let ranks = |n: usize, mode: &str, tag: &str| -> Vec<Vec<String>> {
+        let id_file = dir.path().join(format!("id-{tag}"));
+        (0..n)
+            .map(|r| {
+                vec![
+                    r.to_string(),
+                    n.to_string(),
+                    id_file.display().to_string(),
+                    mode.to_string(),
+                ]
+            })
+            .collect()
+    };
+    for (n, gpus) in [(2, 2), (4, 2)] {
+        let envs = common::simulated_gpu_env(gpus);
+        let outs = run_all_with(
+            &device,
+            &ranks(n, "collectives", &format!("c{n}")),
+            limit,
+            &envs,
+        );
+        eprintln!("{n} ranks on {gpus} simulated GPUs: {}", outs[0].trim());
+    }
+    for mode in ["abort", "timeout"] {
+        let mut envs = common::simulated_gpu_env(2);
+        envs.push(("FERROCCL_TIMEOUT", "2".into()));
+        let outs = run_all_with(&device, &ranks(2, mode, mode), limit, &envs);
+        assert!(
+            outs[0].contains("the stream came back"),
+            "{mode}: {}",
+            outs[0]
+        );
+        eprintln!("{mode}: {}", outs[0].trim());
+    }
 }
 
 #[test]

@@ -305,10 +305,32 @@ fn rank_arg(value: c_int, nranks: usize, what: &str) -> Result<usize, Failure> {
         .ok_or_else(|| invalid(format!("{what} {value} is not in 0..{nranks}")))
 }
 
-/// `ncclMemAlloc` allocations: address → layout.
-fn allocations() -> &'static Mutex<HashMap<usize, std::alloc::Layout>> {
-    static ALLOCATIONS: OnceLock<Mutex<HashMap<usize, std::alloc::Layout>>> = OnceLock::new();
+/// One `ncclMemAlloc` allocation.
+enum Allocation {
+    /// Host memory (no CUDA context was current).
+    Host(std::alloc::Layout),
+    /// Device memory of the context that was current (freed on drop).
+    Device(cuda::DeviceBuffer),
+}
+
+/// `ncclMemAlloc` allocations: address → allocation.
+fn allocations() -> &'static Mutex<HashMap<usize, Allocation>> {
+    static ALLOCATIONS: OnceLock<Mutex<HashMap<usize, Allocation>>> = OnceLock::new();
     ALLOCATIONS.get_or_init(Default::default)
+}
+
+/// Device memory for `ncclMemAlloc` when a CUDA context is current on this thread (as
+/// NCCL allocates on the current device), else `None`.
+fn device_allocation(size: usize) -> Result<Option<cuda::DeviceBuffer>, Failure> {
+    if cuda::driver().is_err() {
+        return Ok(None);
+    }
+    match cuda::current_context() {
+        Ok(Some(_)) => cuda::DeviceBuffer::zeroed(size.max(1))
+            .map(Some)
+            .map_err(|e| Failure::from_error(&e)),
+        Ok(None) | Err(_) => Ok(None),
+    }
 }
 
 /// Joins a communicator now, later in the group, or in the background.
@@ -781,11 +803,19 @@ nccl_api! {
         })
     }
 
-    /// `ncclMemAlloc`: page-aligned host memory (ferroccl's buffers are host memory).
+    /// `ncclMemAlloc`: zeroed device memory on the current CUDA context's GPU, as NCCL
+    /// allocates it; page-aligned host memory where no context is current (host ranks).
     fn ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
         api("ncclMemAlloc", || {
             if ptr.is_null() {
                 return Err(invalid("ptr is NULL"));
+            }
+            if let Some(buffer) = device_allocation(size)? {
+                let p = buffer.ptr() as *mut c_void;
+                lock(allocations()).insert(p as usize, Allocation::Device(buffer));
+                // SAFETY: non-NULL, the caller's void*.
+                unsafe { *ptr = p };
+                return Ok(SUCCESS);
             }
             let layout = std::alloc::Layout::from_size_align(size.max(1), 4096)
                 .map_err(|_| invalid(format!("size {size} is too large")))?;
@@ -794,7 +824,7 @@ nccl_api! {
             if p.is_null() {
                 return Err(Failure::new(SYSTEM_ERROR, format!("out of memory for {size} bytes")));
             }
-            lock(allocations()).insert(p as usize, layout);
+            lock(allocations()).insert(p as usize, Allocation::Host(layout));
             // SAFETY: non-NULL, the caller's void*.
             unsafe { *ptr = p as *mut c_void };
             Ok(SUCCESS)
@@ -807,12 +837,15 @@ nccl_api! {
             if ptr.is_null() {
                 return Ok(SUCCESS);
             }
-            let layout = lock(allocations()).remove(&(ptr as usize)).ok_or_else(|| {
+            let allocation = lock(allocations()).remove(&(ptr as usize)).ok_or_else(|| {
                 invalid(format!("{ptr:?} was not allocated by ncclMemAlloc (or is freed)"))
             })?;
-            // SAFETY: allocated by ncclMemAlloc with this layout, and removed from the map
-            // so it is freed once.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            match allocation {
+                // SAFETY: allocated by ncclMemAlloc with this layout, and removed from the
+                // map so it is freed once.
+                Allocation::Host(layout) => unsafe { std::alloc::dealloc(ptr as *mut u8, layout) },
+                Allocation::Device(buffer) => drop(buffer),
+            }
             Ok(SUCCESS)
         })
     }

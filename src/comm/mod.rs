@@ -55,7 +55,7 @@ pub struct Communicator {
     /// call.
     abort_bell: Arc<Bell>,
     /// Set once a call failed while moving data, or on abort (the first reason kept).
-    failure: Mutex<Option<String>>,
+    failure: Arc<Mutex<Option<String>>>,
     /// The device side's abort word, once there is a device side.
     device_abort: OnceLock<crate::cuda::launch::AbortWord>,
 }
@@ -271,7 +271,7 @@ impl Communicator {
             shape,
             boot,
             abort_bell: conns.abort_handle(),
-            failure: Mutex::new(None),
+            failure: Arc::default(),
             device_abort: OnceLock::new(),
             state: Mutex::new(State {
                 conns,
@@ -889,9 +889,19 @@ impl Communicator {
                     (h ^ p.host_hash() ^ u64::from(p.pid) ^ (p.rank as u64) << 32)
                         .wrapping_mul(0x0100_0000_01b3)
                 });
+            // The device watchdog's verdict reaches ncclCommGetAsyncError and the next
+            // call without waiting for the state lock.
+            let failure = self.failure.clone();
+            let on_timeout = move |why: String| {
+                failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(why);
+            };
             let launcher = crate::cuda::launch::Launcher::new(
                 self.rank,
                 comm_key,
+                Box::new(on_timeout),
                 ctx,
                 self.config.geometry(),
                 ll,

@@ -179,6 +179,10 @@ impl AbortWord {
     }
 }
 
+/// Told why, when a call outlives the timeout (the communicator records it as its
+/// failure).
+pub type OnTimeout = Box<dyn Fn(String) + Send>;
+
 /// A call the watchdog looks after: its completion event and deadline.
 struct Watched {
     op: &'static str,
@@ -206,12 +210,12 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    fn start(rank: usize, abort: AbortWord) -> Result<Self> {
+    fn start(rank: usize, abort: AbortWord, on_timeout: OnTimeout) -> Result<Self> {
         let shared: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
         let theirs = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ferroccl-gpu-watch-{rank}"))
-            .spawn(move || Self::run(rank, &theirs, &abort))
+            .spawn(move || Self::run(rank, &theirs, &abort, &on_timeout))
             .map_err(|e| Error::Cuda {
                 what: format!("cannot start the device watchdog thread: {e}"),
             })?;
@@ -221,7 +225,12 @@ impl Watchdog {
         })
     }
 
-    fn run(rank: usize, shared: &(Mutex<WatchState>, Condvar), abort: &AbortWord) {
+    fn run(
+        rank: usize,
+        shared: &(Mutex<WatchState>, Condvar),
+        abort: &AbortWord,
+        on_timeout: &OnTimeout,
+    ) {
         let (state, wake) = shared;
         let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
         while !st.stop {
@@ -230,14 +239,15 @@ impl Watchdog {
             if st.expired.is_none()
                 && let Some(w) = st.calls.iter().find(|w| w.deadline <= now)
             {
-                tracing::error!(
+                let why = format!(
                     "rank {rank}: {} #{} on the device did not finish within the \
-                     communicator's timeout: its executor is told to stop waiting on peers",
-                    w.op,
-                    w.seq
+                     communicator's timeout: its executor was told to stop waiting on peers",
+                    w.op, w.seq
                 );
+                tracing::error!("{why}");
                 st.expired = Some((w.op, w.seq));
                 abort.set();
+                on_timeout(why);
             }
             let next = st
                 .calls
@@ -336,10 +346,12 @@ impl Launcher {
     /// (`simple`, `ll`); `timeout` bounds the wait for peers and for calls in flight when
     /// it is dropped. Compiles (or takes from the cache) and loads the executor.
     /// `comm` identifies the communicator among those of this process (equal for its
-    /// ranks here, different from other communicators').
+    /// ranks here, different from other communicators'); `on_timeout` hears of a call
+    /// that outlived `timeout` with nobody waiting for it.
     pub fn new(
         rank: usize,
         comm: u64,
+        on_timeout: OnTimeout,
         ctx: Context,
         simple: Geometry,
         ll: Geometry,
@@ -351,7 +363,7 @@ impl Launcher {
             rank,
             comm,
             ctx,
-            watchdog: Watchdog::start(rank, abort_word.clone())?,
+            watchdog: Watchdog::start(rank, abort_word.clone(), on_timeout)?,
             timeout,
             executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
             fifos: DeviceFifos::new(rank, simple, ll)?,
