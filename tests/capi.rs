@@ -268,8 +268,51 @@ fn c_programs_on_device_memory_of_the_simulated_driver() {
             "{mode}: {}",
             outs[0]
         );
+        assert!(outs[0].contains("nothing left"), "{mode}: {}", outs[0]);
         eprintln!("{mode}: {}", outs[0].trim());
     }
+    // Different counts on the ranks: every stream comes back and every rank reports it.
+    let mut envs = common::simulated_gpu_env(1);
+    envs.push(("FERROCCL_TIMEOUT", "3".into()));
+    let outs = run_all_with(&device, &ranks(2, "mismatch", "mismatch"), limit, &envs);
+    eprintln!("mismatch: {}", outs.join(" | ").replace('\n', " "));
+    // Rank 1 killed while rank 0's kernel waits on it: noticed long before the timeout
+    // (60 s), and the error names rank 1.
+    let mut envs = common::simulated_gpu_env(2);
+    envs.push(("FERROCCL_TIMEOUT", "60".into()));
+    let children: Vec<Child> = ranks(2, "killed", "killed")
+        .iter()
+        .map(|args| {
+            Command::new(&device)
+                .args(args)
+                .envs(envs.iter().map(|(k, v)| (k, v)))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let survivor = String::from_utf8_lossy(&outs[0].stdout);
+    let stderr = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        outs[0].status.success() && survivor.contains("the stream came back"),
+        "killed: rank 0 {}:\n{survivor}\n{stderr}",
+        outs[0].status
+    );
+    assert!(
+        survivor.contains("rank 1"),
+        "killed: the error names rank 1:\n{survivor}"
+    );
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&outs[1].status),
+        Some(9),
+        "rank 1 was killed"
+    );
+    eprintln!("killed: {}", survivor.trim().replace('\n', " | "));
 }
 
 #[test]

@@ -8,6 +8,9 @@
 //! skips: a machine that cannot reach the package registry fails this test.
 
 mod pyenv;
+// The simulated CUDA driver, for the device tests one level below torch.
+#[allow(unused_imports)]
+mod common;
 
 use std::path::Path;
 use std::process::Command;
@@ -43,6 +46,17 @@ fn python_package_and_torch_backend() {
         "pytest",
         python_tool(&venv, "python")
             .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
-            .env("PYTHONWARNINGS", "ignore::FutureWarning"),
+            .env("PYTHONWARNINGS", "ignore::FutureWarning")
+            .env("FERROCCL_TEST_SIM_ENV", simulated_driver_env()),
     );
+}
+
+/// The simulated driver's environment as JSON, for python/tests/test_cuda_array.py to
+/// give its rank processes (and only them: torch's tests keep the machine's own driver).
+fn simulated_driver_env() -> String {
+    let map: serde_json::Map<String, serde_json::Value> = common::simulated_gpu_env(1)
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned().into()))
+        .collect();
+    serde_json::Value::Object(map).to_string()
 }

@@ -154,6 +154,36 @@ fn torch_elements(name: &str) -> Option<Elements> {
     })
 }
 
+/// A CUDA Array Interface `typestr` (`<f4`, `|i1`, …; little-endian or byte-sized).
+fn cuda_array_elements(typestr: &str) -> Option<Elements> {
+    let mut chars = typestr.chars();
+    let order = chars.next()?;
+    let kind = chars.next()?;
+    let size: usize = chars.as_str().parse().ok()?;
+    if order == '>' && size > 1 {
+        return None;
+    }
+    Some(Elements::Typed(match (kind, size) {
+        ('b', 1) => return Some(Elements::Bool),
+        ('i', 1) => DataType::Int8,
+        ('u', 1) => DataType::Uint8,
+        ('i', 4) => DataType::Int32,
+        ('u', 4) => DataType::Uint32,
+        ('i', 8) => DataType::Int64,
+        ('u', 8) => DataType::Uint64,
+        ('f', 2) => DataType::Float16,
+        ('f', 4) => DataType::Float32,
+        ('f', 8) => DataType::Float64,
+        ('i' | 'u', 2) => {
+            return Some(Elements::Opaque {
+                size: 2,
+                name: "int16",
+            });
+        }
+        _ => return None,
+    }))
+}
+
 /// A buffer-protocol format character (after any byte-order prefix).
 fn format_elements(format: &str, itemsize: usize) -> Option<Elements> {
     let code = format.trim_start_matches(['@', '=', '<', '>', '!']);
@@ -193,6 +223,9 @@ pub struct Lent<'py> {
     pub writable: bool,
     /// The CUDA device of a CUDA tensor (`None`: host memory).
     pub device: Option<usize>,
+    /// The stream a `__cuda_array_interface__` object names for its memory (0: the
+    /// legacy default stream); `None` for tensors (torch's current stream is used).
+    pub stream: Option<usize>,
     /// Keeps the memory alive (and exported) while a call uses it.
     pub keep: Bound<'py, PyAny>,
 }
@@ -210,7 +243,69 @@ impl<'py> Lent<'py> {
         if obj.hasattr(pyo3::intern!(obj.py(), "data_ptr"))? {
             return Self::tensor(obj, what);
         }
+        if obj.hasattr(pyo3::intern!(obj.py(), "__cuda_array_interface__"))? {
+            return Self::cuda_array(obj, what, write);
+        }
         Self::buffer(obj, what, write)
+    }
+
+    /// CUDA device memory described by the CUDA Array Interface (version 2 or 3, as
+    /// CuPy, Numba and others export it): C-contiguous, little-endian. Calls on it are
+    /// enqueued on the stream it names (the legacy default stream when it names none).
+    fn cuda_array(obj: &Bound<'py, PyAny>, what: &str, write: bool) -> PyResult<Self> {
+        let py = obj.py();
+        let bad = |why: String| crate::errors::value_error(format!("{what}: {why}"));
+        let cai = obj.getattr(pyo3::intern!(py, "__cuda_array_interface__"))?;
+        let shape: Vec<usize> = cai.get_item("shape")?.extract()?;
+        let typestr: String = cai.get_item("typestr")?.extract()?;
+        let (ptr, readonly): (usize, bool) = cai.get_item("data")?.extract()?;
+        if let Ok(strides) = cai.get_item("strides")
+            && !strides.is_none()
+        {
+            return Err(bad(
+                "__cuda_array_interface__ has strides: ferroccl needs C-contiguous memory".into(),
+            ));
+        }
+        let elements = cuda_array_elements(&typestr).ok_or_else(|| {
+            bad(format!(
+                "__cuda_array_interface__ typestr {typestr:?} is not a type ferroccl carries"
+            ))
+        })?;
+        if write && readonly {
+            return Err(bad("__cuda_array_interface__ memory is read-only".into()));
+        }
+        let bytes = shape.iter().product::<usize>() * elements.size();
+        let device = if bytes == 0 {
+            ferroccl::cuda::current_context()
+                .ok()
+                .flatten()
+                .and_then(|c| c.device().ok())
+        } else {
+            Some(ferroccl::cuda::pointer_device(ptr as u64).map_err(|e| bad(e.to_string()))?)
+        };
+        let stream = match cai.get_item("stream") {
+            Ok(s) if !s.is_none() => match s.extract::<usize>()? {
+                1 => 0,
+                2 => {
+                    return Err(bad(
+                        "the per-thread default stream (2) is not supported: pass a stream \
+                         of your own"
+                            .into(),
+                    ));
+                }
+                s => s,
+            },
+            _ => 0,
+        };
+        Ok(Lent {
+            ptr: ptr as *mut u8,
+            bytes,
+            elements,
+            writable: !readonly,
+            device,
+            stream: Some(stream),
+            keep: obj.clone(),
+        })
     }
 
     fn tensor(t: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
@@ -264,6 +359,7 @@ impl<'py> Lent<'py> {
             elements,
             writable: true,
             device,
+            stream: None,
             keep: t.clone(),
         })
     }
@@ -298,6 +394,7 @@ impl<'py> Lent<'py> {
             elements,
             writable,
             device: None,
+            stream: None,
             keep: Bound::new(py, export)?.into_any(),
         })
     }

@@ -72,6 +72,9 @@ pub struct Batch {
     place: Option<Option<usize>>,
     /// Set when the calls mix places (host and device, or two devices).
     mixed: bool,
+    /// The stream `__cuda_array_interface__` memory names (the first one's), for
+    /// memory that is not a torch tensor's.
+    pub stream: Option<usize>,
 }
 
 // SAFETY: the raw pointers in a batch point into memory the batch itself keeps alive
@@ -90,6 +93,7 @@ impl Batch {
             self.note_place(p);
         }
         self.mixed |= other.mixed;
+        self.stream = self.stream.or(other.stream);
         self.calls.extend(other.calls);
         self.keep.extend(other.keep);
         self.scratch.extend(other.scratch);
@@ -120,6 +124,7 @@ impl Batch {
 
     fn hold(&mut self, lent: &Lent) {
         self.note_place(lent.device);
+        self.stream = self.stream.or(lent.stream);
         self.keep.push(lent.keep.clone().unbind());
     }
 

@@ -101,20 +101,24 @@ struct Communicator {
 }
 
 /// Enqueues `batch`, on CUDA memory of `device`, on torch's current stream of that
-/// device and returns (NCCL's stream semantics: the tensors hold the result once that
-/// stream gets there). Failures of the device work surface on a later call.
+/// device (for tensors) or the stream `__cuda_array_interface__` memory names, and
+/// returns (NCCL's stream semantics: the memory holds the result once that stream gets
+/// there). Failures of the device work surface on a later call.
 fn enqueue_cuda(
     py: Python<'_>,
     comm: &CoreCommunicator,
     batch: Batch,
     device: usize,
 ) -> PyResult<()> {
-    let stream: usize = py
-        .import("torch")?
-        .getattr("cuda")?
-        .call_method1("current_stream", (device,))?
-        .getattr("cuda_stream")?
-        .extract()?;
+    let stream: usize = match batch.stream {
+        Some(s) => s,
+        None => py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method1("current_stream", (device,))?
+            .getattr("cuda_stream")?
+            .extract()?,
+    };
     let held = &batch;
     let r = py.detach(|| {
         // The tensors' device, current for this call only (torch's own current device

@@ -132,21 +132,27 @@ impl CommHandle {
 
     /// What `ncclCommGetAsyncError` reports.
     pub fn async_error(&self) -> i32 {
+        self.async_error_and_reason().0
+    }
+
+    /// [`async_error`](Self::async_error) with the failure's description, if any.
+    pub fn async_error_and_reason(&self) -> (i32, Option<String>) {
         // The life lock is released before asking the communicator anything.
         let comm = match &*lock(&self.life) {
-            Life::Initializing => return IN_PROGRESS,
-            Life::Failed(code, _) => return *code,
+            Life::Initializing => return (IN_PROGRESS, None),
+            Life::Failed(code, why) => return (*code, Some(why.clone())),
             Life::Ready(c) | Life::Finalized(c) => c.clone(),
         };
-        {
-            let c = &comm;
-            match c.failure() {
-                None => super::SUCCESS,
-                Some(why) => result_of(&crate::Error::Aborted {
-                    rank: c.rank(),
-                    reason: why,
+        comm.poll_device();
+        match comm.failure() {
+            None => (super::SUCCESS, None),
+            Some(why) => (
+                result_of(&crate::Error::Aborted {
+                    rank: comm.rank(),
+                    reason: why.clone(),
                 }),
-            }
+                Some(why),
+            ),
         }
     }
 

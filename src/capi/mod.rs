@@ -681,8 +681,13 @@ nccl_api! {
             if async_error.is_null() {
                 return Err(invalid("asyncError is NULL"));
             }
+            let (code, why) = handle.async_error_and_reason();
+            if let Some(why) = why {
+                // As NCCL does: ncclGetLastError then says what failed.
+                set_last_error("ncclCommGetAsyncError", &why);
+            }
             // SAFETY: non-NULL, the caller's ncclResult_t.
-            unsafe { *async_error = handle.async_error() };
+            unsafe { *async_error = code };
             Ok(SUCCESS)
         })
     }

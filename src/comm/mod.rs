@@ -898,10 +898,20 @@ impl Communicator {
                     .unwrap_or_else(|p| p.into_inner())
                     .get_or_insert(why);
             };
+            // Peers in other processes of this host: the watchdog notices their exit.
+            let me = &self.boot.peers()[self.rank];
+            let peers = self
+                .boot
+                .peers()
+                .iter()
+                .filter(|p| p.host_id == me.host_id && p.pid != me.pid)
+                .map(|p| (p.rank, crate::transport::liveness::Liveness::watch(p.pid)))
+                .collect();
             let launcher = crate::cuda::launch::Launcher::new(
                 self.rank,
                 comm_key,
                 Box::new(on_timeout),
+                peers,
                 ctx,
                 self.config.geometry(),
                 ll,
@@ -940,6 +950,21 @@ impl Communicator {
             self.set_failure(e.to_string());
         }
         result
+    }
+
+    /// Looks at the device calls that have finished, without waiting for any (nor for
+    /// a call in progress on another thread): a failed one becomes the communicator's
+    /// failure, as [`failure`](Self::failure) then reports (`ncclCommGetAsyncError`).
+    pub fn poll_device(&self) {
+        let Ok(mut st) = self.state.try_lock() else {
+            return;
+        };
+        if let Some(d) = st.device.as_mut()
+            && let Err(e) = d.poll()
+        {
+            drop(st);
+            self.set_failure(e.to_string());
+        }
     }
 
     /// Waits until every call on device memory issued so far has finished (at most the

@@ -191,14 +191,26 @@ struct Watched {
     deadline: Instant,
 }
 
+/// A call the watchdog gave up on (it then set the abort word).
+#[derive(Clone, Copy, Debug)]
+struct Expiry {
+    op: &'static str,
+    seq: u64,
+    /// The peer whose process exited while the call waited (`None`: the deadline
+    /// passed).
+    dead: Option<usize>,
+}
+
 /// What the launcher and its watchdog share.
 #[derive(Default)]
 struct WatchState {
     calls: Vec<Watched>,
-    /// The call whose deadline passed (the watchdog then set the abort word).
-    expired: Option<(&'static str, u64)>,
+    expired: Option<Expiry>,
     stop: bool,
 }
+
+/// Peers in other processes of this host, by rank, whose exit the watchdog notices.
+pub type WatchedPeers = Vec<(usize, crate::transport::liveness::Liveness)>;
 
 /// A thread that sets the abort word when a call in flight outlives the communicator's
 /// timeout, so that a stream waiting on a dead peer is given back even when nobody calls
@@ -210,12 +222,17 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    fn start(rank: usize, abort: AbortWord, on_timeout: OnTimeout) -> Result<Self> {
+    fn start(
+        rank: usize,
+        abort: AbortWord,
+        on_timeout: OnTimeout,
+        peers: WatchedPeers,
+    ) -> Result<Self> {
         let shared: Arc<(Mutex<WatchState>, Condvar)> = Arc::default();
         let theirs = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ferroccl-gpu-watch-{rank}"))
-            .spawn(move || Self::run(rank, &theirs, &abort, &on_timeout))
+            .spawn(move || Self::run(rank, &theirs, &abort, &on_timeout, &peers))
             .map_err(|e| Error::Cuda {
                 what: format!("cannot start the device watchdog thread: {e}"),
             })?;
@@ -230,6 +247,7 @@ impl Watchdog {
         shared: &(Mutex<WatchState>, Condvar),
         abort: &AbortWord,
         on_timeout: &OnTimeout,
+        peers: &WatchedPeers,
     ) {
         let (state, wake) = shared;
         let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
@@ -237,17 +255,36 @@ impl Watchdog {
             st.calls.retain(|w| !w.event.done().unwrap_or(true));
             let now = Instant::now();
             if st.expired.is_none()
-                && let Some(w) = st.calls.iter().find(|w| w.deadline <= now)
+                && let Some(w) = st.calls.first()
             {
-                let why = format!(
-                    "rank {rank}: {} #{} on the device did not finish within the \
-                     communicator's timeout: its executor was told to stop waiting on peers",
-                    w.op, w.seq
-                );
-                tracing::error!("{why}");
-                st.expired = Some((w.op, w.seq));
-                abort.set();
-                on_timeout(why);
+                let dead = peers.iter().find(|(_, l)| l.has_exited()).map(|(r, _)| *r);
+                let late = st.calls.iter().find(|w| w.deadline <= now);
+                let why = match (dead, late) {
+                    (Some(peer), _) => Some(format!(
+                        "rank {rank}: {} #{} on the device: the process of rank {peer} \
+                         exited while this rank's kernel waited; its executor was told to \
+                         stop waiting",
+                        w.op, w.seq
+                    )),
+                    (None, Some(w)) => Some(format!(
+                        "rank {rank}: {} #{} on the device did not finish within the \
+                         communicator's timeout: its executor was told to stop waiting on \
+                         peers",
+                        w.op, w.seq
+                    )),
+                    (None, None) => None,
+                };
+                if let Some(why) = why {
+                    let w = late.filter(|_| dead.is_none()).unwrap_or(w);
+                    tracing::error!("{why}");
+                    st.expired = Some(Expiry {
+                        op: w.op,
+                        seq: w.seq,
+                        dead,
+                    });
+                    abort.set();
+                    on_timeout(why);
+                }
             }
             let next = st
                 .calls
@@ -272,7 +309,7 @@ impl Watchdog {
         self.shared.1.notify_all();
     }
 
-    fn expired(&self) -> Option<(&'static str, u64)> {
+    fn expired(&self) -> Option<Expiry> {
         self.lock().expired
     }
 }
@@ -347,11 +384,14 @@ impl Launcher {
     /// it is dropped. Compiles (or takes from the cache) and loads the executor.
     /// `comm` identifies the communicator among those of this process (equal for its
     /// ranks here, different from other communicators'); `on_timeout` hears of a call
-    /// that outlived `timeout` with nobody waiting for it.
+    /// that outlived `timeout`, or whose wait a peer of `peers` left by exiting, with
+    /// nobody waiting for it.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         rank: usize,
         comm: u64,
         on_timeout: OnTimeout,
+        peers: WatchedPeers,
         ctx: Context,
         simple: Geometry,
         ll: Geometry,
@@ -363,7 +403,7 @@ impl Launcher {
             rank,
             comm,
             ctx,
-            watchdog: Watchdog::start(rank, abort_word.clone(), on_timeout)?,
+            watchdog: Watchdog::start(rank, abort_word.clone(), on_timeout, peers)?,
             timeout,
             executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
             fifos: DeviceFifos::new(rank, simple, ll)?,
@@ -570,15 +610,24 @@ impl Launcher {
             let s = unsafe { std::ptr::read_volatile((p.status.host() as *const u32).add(lane)) };
             match s {
                 0 => {}
-                1 if self.watchdog.expired().is_some() => {
-                    let (op, seq) = self.watchdog.expired().expect("checked");
-                    return Err(Error::Timeout {
-                        op: op.to_string(),
-                        seq,
-                        rank: self.rank,
-                        waiting_on: Vec::new(),
-                        stalled: None,
-                        waited: self.timeout,
+                1 if let Some(e) = self.watchdog.expired() => {
+                    return Err(match e.dead {
+                        Some(peer) => Error::PeerFailed {
+                            op: e.op.to_string(),
+                            seq: e.seq,
+                            rank: self.rank,
+                            failed_rank: peer,
+                            detail: "its process exited while this rank's kernel waited on it"
+                                .into(),
+                        },
+                        None => Error::Timeout {
+                            op: e.op.to_string(),
+                            seq: e.seq,
+                            rank: self.rank,
+                            waiting_on: Vec::new(),
+                            stalled: None,
+                            waited: self.timeout,
+                        },
                     });
                 }
                 1 => {

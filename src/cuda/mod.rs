@@ -247,6 +247,30 @@ pub fn pointer_kind(ptr: *const c_void) -> PointerKind {
     }
 }
 
+/// The GPU whose memory `ptr` is (an error for memory the driver does not know as
+/// device memory).
+pub fn pointer_device(ptr: u64) -> Result<usize> {
+    driver()?;
+    if pointer_kind(ptr as *const c_void) != PointerKind::Device {
+        return Err(Error::invalid(format!(
+            "{ptr:#x} is not CUDA device memory"
+        )));
+    }
+    let mut ordinal: c_int = 0;
+    // SAFETY: the driver is loaded; the attribute query writes one int.
+    unsafe {
+        check(
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut c_int as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr as sys::CUdeviceptr,
+            ),
+            "cuPointerGetAttribute(device ordinal)",
+        )?
+    };
+    Ok(ordinal as usize)
+}
+
 /// Waits for the work queued on `stream`, so that a host-memory call runs in the
 /// stream's order.
 ///

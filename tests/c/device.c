@@ -12,7 +12,14 @@
  *   timeout      as abort, but nobody aborts: the communicator's timeout
  *                (FERROCCL_TIMEOUT) gives the stream back and ncclCommGetAsyncError
  *                reports the failure
+ *   killed       rank 1 is killed (SIGKILL) while rank 0's kernel waits on it: rank 0's
+ *                stream comes back long before the timeout, and its error names rank 1
+ *   mismatch     the ranks call all-reduce with different counts: every stream comes
+ *                back (by the timeout at worst) and every rank reports an error
+ * On the simulated driver each survivor checks at exit that ferroccl left no device or
+ * page-locked allocation, IPC mapping, stream or event behind.
  */
+#include <signal.h>
 #include <dlfcn.h>
 
 #include "common.h"
@@ -32,6 +39,8 @@ static drv_result (*drv_stream_create)(void**, unsigned);
 static drv_result (*drv_stream_sync)(void*);
 static drv_result (*drv_stream_destroy)(void*);
 static drv_result (*drv_pointer_attribute)(void*, int, drv_ptr);
+/* The simulated driver's own count of what is live (NULL on NVIDIA's driver). */
+static void (*sim_live)(uint64_t*);
 
 #define DRV(call)                                                              \
   do {                                                                         \
@@ -73,6 +82,7 @@ static void* open_gpu(int rank) {
   *(void**)&drv_stream_sync = symbol(lib, "cuStreamSynchronize");
   *(void**)&drv_stream_destroy = symbol(lib, "cuStreamDestroy_v2");
   *(void**)&drv_pointer_attribute = symbol(lib, "cuPointerGetAttribute");
+  *(void**)&sim_live = dlsym(lib, "ferroccl_simcuda_live");
   DRV(drv_init(0));
   int gpus = 0;
   DRV(drv_device_count(&gpus));
@@ -233,6 +243,23 @@ static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
   return 0;
 }
 
+/* On the simulated driver: fails unless nothing of ferroccl's is left (the program's own
+ * stream is destroyed first). */
+static void nothing_left(const char* when) {
+  if (!sim_live) return;
+  uint64_t live[7];
+  sim_live(live);
+  if (live[0] || live[1] || live[2] || live[4] || live[5]) {
+    fprintf(stderr,
+            "%s: left behind: %llu device allocations, %llu page-locked, %llu IPC mappings, "
+            "%llu streams, %llu events\n",
+            when, (unsigned long long)live[0], (unsigned long long)live[1],
+            (unsigned long long)live[2], (unsigned long long)live[4], (unsigned long long)live[5]);
+    exit(1);
+  }
+  printf("nothing left (%llu kernels ran)\n", (unsigned long long)live[6]);
+}
+
 /* One all-reduce by every rank, so that the FIFOs are connected. */
 static void warm_up(ncclComm_t comm, void* stream, int rank, int nranks) {
   if (run_one(comm, stream, ALL_REDUCE, ncclInt32, 1001, 0, rank, nranks)) exit(1);
@@ -248,6 +275,10 @@ static double now(void) {
  * come back: after ncclCommAbort (`abort`), or after the timeout (`timeout`). */
 static int stalled_peer(ncclComm_t comm, void* stream, int rank, int nranks, int by_abort) {
   warm_up(comm, stream, rank, nranks);
+  if (rank != 0 && by_abort == 2) {
+    usleep(300 * 1000);
+    kill(getpid(), SIGKILL);
+  }
   if (rank != 0) {
     /* Never makes the second call; leaves once rank 0 is done with it. */
     sleep(by_abort ? 3 : 8);
@@ -259,13 +290,13 @@ static int stalled_peer(ncclComm_t comm, void* stream, int rank, int nranks, int
   drv_ptr buf = device_alloc(n * 4);
   double start = now();
   CHECK(ncclAllReduce((void*)buf, (void*)buf, n, ncclInt32, ncclSum, comm, stream));
-  if (by_abort) {
+  if (by_abort == 1) {
     usleep(300 * 1000);
     CHECK(ncclCommAbort(comm));
   }
   DRV(drv_stream_sync(stream));
   double waited = now() - start;
-  if (!by_abort) {
+  if (by_abort != 1) {
     ncclResult_t async = ncclSuccess;
     CHECK(ncclCommGetAsyncError(comm, &async));
     if (async == ncclSuccess || async == ncclInProgress) {
@@ -273,10 +304,37 @@ static int stalled_peer(ncclComm_t comm, void* stream, int rank, int nranks, int
       exit(1);
     }
     printf("async error %d (%s)\n", (int)async, ncclGetLastError(comm));
+    if (by_abort == 2 && waited > 10) {
+      fprintf(stderr, "the killed peer was noticed only after %.1f s\n", waited);
+      exit(1);
+    }
     CHECK(ncclCommAbort(comm));
   }
   DRV(drv_free(buf));
   printf("OK the stream came back after %.1f s\n", waited);
+  return 0;
+}
+
+/* Rank r calls all-reduce with 1001 + 64 r elements: no rank may hang, and each must
+ * report an error for the call. */
+static int mismatch(ncclComm_t comm, void* stream, int rank, int nranks) {
+  warm_up(comm, stream, rank, nranks);
+  size_t n = 1001 + 64 * (size_t)rank;
+  drv_ptr buf = device_alloc(n * 4);
+  double start = now();
+  ncclResult_t r = ncclAllReduce((void*)buf, (void*)buf, n, ncclInt32, ncclSum, comm, stream);
+  DRV(drv_stream_sync(stream));
+  ncclResult_t async = ncclSuccess;
+  if (r == ncclSuccess) CHECK(ncclCommGetAsyncError(comm, &async));
+  if (r == ncclSuccess && async == ncclSuccess) {
+    fprintf(stderr, "rank %d: all-reduces of different counts reported no error\n", rank);
+    exit(1);
+  }
+  printf("rank %d: error %d/%d after %.1f s (%s)\n", rank, (int)r, (int)async, now() - start,
+         ncclGetLastError(comm));
+  CHECK(ncclCommAbort(comm));
+  DRV(drv_free(buf));
+  printf("OK\n");
   return 0;
 }
 
@@ -291,12 +349,17 @@ int main(int argc, char** argv) {
   ncclComm_t comm;
   CHECK(ncclCommInitRank(&comm, nranks, id, rank));
   int rc;
-  if (strcmp(argv[4], "collectives") == 0) {
+  const char* mode = argv[4];
+  if (strcmp(mode, "collectives") == 0) {
     rc = collectives(comm, stream, rank, nranks);
     CHECK(ncclCommDestroy(comm));
+  } else if (strcmp(mode, "mismatch") == 0) {
+    rc = mismatch(comm, stream, rank, nranks);
   } else {
-    rc = stalled_peer(comm, stream, rank, nranks, strcmp(argv[4], "abort") == 0);
+    int how = strcmp(mode, "abort") == 0 ? 1 : strcmp(mode, "killed") == 0 ? 2 : 0;
+    rc = stalled_peer(comm, stream, rank, nranks, how);
   }
   DRV(drv_stream_destroy(stream));
+  nothing_left(mode);
   return rc;
 }

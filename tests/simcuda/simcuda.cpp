@@ -524,6 +524,7 @@ struct Function {
 
 std::set<Module*> modules;
 std::set<Function*> functions;
+uint64_t launches = 0;
 
 // Blocks resident on each device now (at most config.resident_blocks).
 int resident[64];
@@ -810,10 +811,13 @@ SIM_API const char* ferroccl_simcuda_describe() {
 }
 
 // What is still allocated in this process: device allocations, host-mapped allocations,
-// IPC mappings, retained primary contexts, live streams, live events.
-SIM_API void ferroccl_simcuda_live(uint64_t out[6]) {
+// IPC mappings, retained primary contexts, live streams, live events; and how many
+// kernels have been launched (so a test can tell work ran on the device, which host code
+// could otherwise do on this driver's host-accessible "device" memory).
+SIM_API void ferroccl_simcuda_live(uint64_t out[7]) {
   std::lock_guard<std::mutex> g(mu);
-  for (int i = 0; i < 6; i++) out[i] = 0;
+  for (int i = 0; i < 7; i++) out[i] = 0;
+  out[6] = launches;
   for (auto& [_, r] : regions) out[r.kind == Kind::Device ? 0 : r.kind == Kind::HostMapped ? 1 : 2]++;
   for (int d = 0; d < config.devices; d++)
     if (primary[d] && primary[d]->retained > 0) out[3]++;
@@ -1748,6 +1752,7 @@ SIM_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (!params) return CUDA_ERROR_INVALID_VALUE;
+  launches++;
   auto run = std::make_shared<GridRun>();
   run->def = f->def;
   run->blocks = gx;

@@ -1,0 +1,132 @@
+"""One rank of test_cuda_array.py: ``cuda_array_rank.py RANK WORLD ID_FILE``.
+
+ferroccl.Communicator on CUDA device memory that is not torch's: buffers allocated
+through the CUDA driver (the library ``FERROCCL_CUDA_DRIVER`` names, here the tests'
+simulated one) and handed over by the CUDA Array Interface, as CuPy or Numba arrays
+would be. Each call is enqueued on the stream the interface names; the rank waits for
+that stream and checks its result against the serial reference. Prints ``OK …``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import ferroccl
+
+RANK, WORLD, ID_FILE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+DRIVER = ctypes.CDLL(os.environ.get("FERROCCL_CUDA_DRIVER") or "libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} returned CUDA error {rc}")
+
+
+check(DRIVER.cuInit(0), "cuInit")
+_gpus = ctypes.c_int()
+check(DRIVER.cuDeviceGetCount(ctypes.byref(_gpus)), "cuDeviceGetCount")
+_ctx = ctypes.c_void_p()
+check(DRIVER.cuDevicePrimaryCtxRetain(ctypes.byref(_ctx), RANK % _gpus.value), "cuDevicePrimaryCtxRetain")
+check(DRIVER.cuCtxSetCurrent(_ctx), "cuCtxSetCurrent")
+STREAM = ctypes.c_void_p()
+check(DRIVER.cuStreamCreate(ctypes.byref(STREAM), 1), "cuStreamCreate")
+
+
+class DeviceArray:
+    """A 1-D array in device memory, exported through ``__cuda_array_interface__``."""
+
+    def __init__(self, count: int, dtype: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self.count = count
+        self.ptr = ctypes.c_uint64()
+        check(DRIVER.cuMemAlloc_v2(ctypes.byref(self.ptr), ctypes.c_size_t(max(1, count * self.dtype.itemsize))), "cuMemAlloc")
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.count,),
+            "typestr": self.dtype.str,
+            "data": (self.ptr.value, False),
+            "version": 3,
+            "strides": None,
+            "stream": STREAM.value,
+        }
+
+    def upload(self, host: np.ndarray) -> None:
+        data = np.ascontiguousarray(host, dtype=self.dtype)
+        check(DRIVER.cuMemcpyHtoD_v2(ctypes.c_uint64(self.ptr.value), data.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(data.nbytes)), "cuMemcpyHtoD")
+
+    def download(self) -> np.ndarray:
+        out = np.zeros(self.count, dtype=self.dtype)
+        check(DRIVER.cuStreamSynchronize(STREAM), "cuStreamSynchronize")
+        check(DRIVER.cuMemcpyDtoH_v2(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(self.ptr.value), ctypes.c_size_t(out.nbytes)), "cuMemcpyDtoH")
+        return out
+
+    def free(self) -> None:
+        check(DRIVER.cuMemFree_v2(ctypes.c_uint64(self.ptr.value)), "cuMemFree")
+
+
+def data(rank: int, count: int, dtype: Any) -> np.ndarray:
+    return ((np.arange(count) * 7 + rank * 3) % 5).astype(dtype)
+
+
+def unique_id() -> ferroccl.UniqueId:
+    if RANK == 0:
+        uid = ferroccl.UniqueId()
+        with open(ID_FILE + ".tmp", "wb") as f:
+            f.write(bytes(uid))
+        os.rename(ID_FILE + ".tmp", ID_FILE)
+        return uid
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ID_FILE):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no unique id in {ID_FILE}")
+        time.sleep(0.01)
+    with open(ID_FILE, "rb") as f:
+        return ferroccl.UniqueId.from_bytes(f.read())
+
+
+def main() -> None:
+    comm = ferroccl.Communicator(unique_id(), WORLD, RANK)
+    calls = 0
+    for dtype in [np.float32, np.int32, np.int8, np.float64]:
+        for count in [0, 1, 7, 4099]:
+            inputs = [data(r, count, dtype) for r in range(WORLD)]
+            total = sum(x.astype(np.int64) for x in inputs).astype(dtype) if count else inputs[0]
+            send, recv = DeviceArray(count, dtype), DeviceArray(count, dtype)
+            send.upload(inputs[RANK])
+            comm.all_reduce(send, recv)
+            assert np.array_equal(recv.download(), total), (dtype, count, "all_reduce")
+            comm.all_reduce(send)  # in place
+            assert np.array_equal(send.download(), total), (dtype, count, "all_reduce in place")
+            send.upload(inputs[RANK])
+            comm.broadcast(send, recv, root=WORLD - 1)
+            assert np.array_equal(recv.download(), inputs[WORLD - 1]), (dtype, count, "broadcast")
+            gathered = DeviceArray(count * WORLD, dtype)
+            comm.all_gather(send, gathered)
+            assert np.array_equal(gathered.download(), np.concatenate(inputs)), (dtype, count, "all_gather")
+            big = [data(r, count * WORLD, dtype) for r in range(WORLD)]
+            gathered.upload(big[RANK])
+            comm.reduce_scatter(gathered, recv)
+            want = sum(b.astype(np.int64) for b in big).astype(dtype)[RANK * count : (RANK + 1) * count]
+            assert np.array_equal(recv.download(), want), (dtype, count, "reduce_scatter")
+            for a in (send, recv, gathered):
+                a.free()
+            calls += 5
+    assert comm.failure() is None, comm.failure()
+    if hasattr(DRIVER, "ferroccl_simcuda_live"):
+        live = (ctypes.c_uint64 * 7)()
+        DRIVER.ferroccl_simcuda_live(live)
+        # Every non-empty call launched the executor (host code could have read this
+        # driver's device memory directly; a GPU's it could not).
+        assert live[6] >= calls - 20, f"only {live[6]} kernels launched for {calls} calls"
+    print(f"OK {calls} calls on CUDA Array Interface memory, GPU {RANK % _gpus.value} of {_gpus.value}")
+
+
+main()
