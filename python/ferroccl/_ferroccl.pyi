@@ -8,8 +8,11 @@ from typing_extensions import TypeAlias
 __version__: str
 
 Buffer: TypeAlias = Any
-"""A CPU torch tensor, or any C-contiguous object with the buffer protocol (numpy
-arrays, bytearray, memoryview); its own memory is used, nothing is copied."""
+"""A torch tensor (CPU, or CUDA: enqueued on torch's current stream), any C-contiguous
+object with the CUDA Array Interface (CuPy, Numba: enqueued on the stream it names, the
+legacy default stream when it names none), or any C-contiguous object with the buffer
+protocol (numpy arrays, bytearray, memoryview); its own memory is used, nothing is
+copied."""
 
 class FerrocclError(RuntimeError):
     """A ferroccl call failed; the message names the rank, the operation, its sequence
