@@ -276,17 +276,50 @@ fn int_input(r: usize, len: usize) -> Vec<i32> {
     (0..len).map(|i| (i * 31 + r * 7) as i32 - 1000).collect()
 }
 
+/// How a device-path check runs its calls.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    protocol: Protocol,
+    channels: usize,
+    /// In place, as NCCL defines it per collective (the input inside the output, or the
+    /// output inside the input).
+    in_place: bool,
+}
+
+impl Shape {
+    fn of(protocol: Protocol) -> Self {
+        Shape {
+            protocol,
+            channels: 2,
+            in_place: false,
+        }
+    }
+}
+
 fn device_config(protocol: Protocol) -> CommConfig {
+    config_of(Shape::of(protocol))
+}
+
+fn config_of(shape: Shape) -> CommConfig {
     CommConfig {
-        channels: 2,
-        protocols: vec![protocol],
+        channels: shape.channels,
+        protocols: vec![shape.protocol],
         ..CommConfig::default()
     }
 }
 
+/// Whether rank `rank`'s output of `collective` means anything (a reduce's or gather's
+/// receive buffer is the root's only).
+fn output_significant(collective: Collective, rank: usize) -> bool {
+    match collective {
+        Collective::Reduce { root } | Collective::Gather { root } => rank == root,
+        _ => true,
+    }
+}
+
 /// Every rank's result of `collective` (sum) of [`COUNT`] int32 on the host engine.
-fn host_results(n: usize, collective: Collective, protocol: Protocol) -> Vec<Vec<i32>> {
-    let comms = Communicator::init_all_with(n, device_config(protocol)).unwrap();
+fn host_results_of(n: usize, collective: Collective, shape: Shape) -> Vec<Vec<i32>> {
+    let comms = Communicator::init_all_with(n, config_of(shape)).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
@@ -326,8 +359,18 @@ fn device_results(
     protocol: Protocol,
     blocked: bool,
 ) -> Vec<Vec<i32>> {
+    device_results_of(contexts, collective, Shape::of(protocol), blocked)
+}
+
+/// [`device_results`] in any [`Shape`].
+fn device_results_of(
+    contexts: &[Arc<CudaContext>],
+    collective: Collective,
+    shape: Shape,
+    blocked: bool,
+) -> Vec<Vec<i32>> {
     let n = contexts.len();
-    let comms = Communicator::init_all_with(n, device_config(protocol)).unwrap();
+    let comms = Communicator::init_all_with(n, config_of(shape)).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
@@ -336,11 +379,31 @@ fn device_results(
                 s.spawn(move || {
                     ctx.bind_to_thread().unwrap();
                     let stream = ctx.new_stream().unwrap();
-                    let (in_len, out_len) = collective.buffer_lens(COUNT, c.rank(), n);
-                    let x = stream
-                        .clone_htod(&int_input(c.rank(), in_len.max(1)))
-                        .unwrap();
-                    let out = stream.alloc_zeros::<i32>(out_len.max(1)).unwrap();
+                    let rank = c.rank();
+                    let (in_len, out_len) = collective.buffer_lens(COUNT, rank, n);
+                    let input = int_input(rank, in_len);
+                    // Where the input and the output lie: two buffers, or one (in place).
+                    let inside_output = collective.input_in_output(COUNT, rank);
+                    let inside_input = collective.output_in_input(COUNT, rank);
+                    let (one, input_at, output_at, result_at) =
+                        match (shape.in_place, inside_output, inside_input) {
+                            (true, Some(at), _) => {
+                                let mut init = vec![0i32; out_len.max(at + in_len).max(1)];
+                                init[at..at + in_len].copy_from_slice(&input);
+                                (Some(init), at, 0, 0)
+                            }
+                            (true, None, Some(at)) => (Some(input.clone()), 0, at, at),
+                            _ => (None, 0, 0, 0),
+                        };
+                    let (x, out) = match one {
+                        Some(init) => (None, stream.clone_htod(&init).unwrap()),
+                        None => (
+                            Some(stream.clone_htod(&int_input(rank, in_len.max(1))).unwrap()),
+                            stream.alloc_zeros::<i32>(out_len.max(1)).unwrap(),
+                        ),
+                    };
+                    let base_out = out.device_ptr(&stream).0;
+                    let base_in = x.as_ref().map_or(base_out, |x| x.device_ptr(&stream).0);
                     let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
                     if blocked {
                         // SAFETY: a mapped host word; the stream waits until it is 1.
@@ -359,8 +422,8 @@ fn device_results(
                         count: COUNT,
                         dtype: DataType::Int32,
                         op: ReduceOp::Sum,
-                        input: x.device_ptr(&stream).0 as *const u8,
-                        output: out.device_ptr(&stream).0 as *mut u8,
+                        input: (base_in + 4 * input_at as u64) as *const u8,
+                        output: (base_out + 4 * output_at as u64) as *mut u8,
                     };
                     // SAFETY: device buffers of the lengths the call uses, kept until
                     // the stream is synchronised below.
@@ -378,9 +441,8 @@ fn device_results(
                     }
                     stream.synchronize().unwrap();
                     c.synchronize_device().unwrap();
-                    let mut v = stream.clone_dtoh(&out).unwrap();
-                    v.truncate(out_len);
-                    v
+                    let v = stream.clone_dtoh(&out).unwrap();
+                    v[result_at..result_at + out_len].to_vec()
                 })
             })
             .collect();
@@ -394,13 +456,22 @@ fn check_device_collective(
     protocol: Protocol,
     blocked: bool,
 ) {
+    check_device_shape(contexts, collective, Shape::of(protocol), blocked);
+}
+
+fn check_device_shape(
+    contexts: &[Arc<CudaContext>],
+    collective: Collective,
+    shape: Shape,
+    blocked: bool,
+) {
     let n = contexts.len();
-    let want = host_results(n, collective, protocol);
-    let got = device_results(contexts, collective, protocol, blocked);
-    for r in 0..n {
+    let want = host_results_of(n, collective, shape);
+    let got = device_results_of(contexts, collective, shape, blocked);
+    for r in (0..n).filter(|&r| output_significant(collective, r)) {
         assert!(
             got[r] == want[r],
-            "{collective} on {n} ranks, {protocol:?}: rank {r} differs from the host engine"
+            "{collective} on {n} ranks, {shape:?}: rank {r} differs from the host engine"
         );
     }
 }
@@ -722,4 +793,243 @@ fn gpu_a_thread_without_a_context_is_told_so() {
     })
     .join()
     .unwrap();
+}
+
+/// Every collective with every root on 3 ranks of one GPU (threads of this process),
+/// both protocols on 1 and 2 channels, in place and not: every rank's result equals the
+/// host engine's.
+#[test]
+fn gpu_every_collective_and_root_both_protocols_channels_and_places() {
+    let Some((ctx, _)) = gpu() else { return };
+    let contexts = vec![ctx.clone(); 3];
+    for collective in Collective::every(3) {
+        for (protocol, channels) in [
+            (Protocol::LL, 1),
+            (Protocol::Simple, 1),
+            (Protocol::LL, 2),
+            (Protocol::Simple, 2),
+        ] {
+            for in_place in [false, true] {
+                let shape = Shape {
+                    protocol,
+                    channels,
+                    in_place,
+                };
+                check_device_shape(&contexts, collective, shape, false);
+            }
+        }
+    }
+}
+
+/// Calls of different sizes back to back on one stream, then a call on a second stream
+/// ordered after them by an event, whose input is the first calls' output: the launcher
+/// orders a rank's launches whatever their streams, and the user's event orders the data.
+#[test]
+fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
+    let Some((ctx, _)) = gpu() else { return };
+    let n = 2;
+    let comms = Communicator::init_all_with(n, device_config(Protocol::Simple)).unwrap();
+    let sizes = [1usize, 4099, COUNT, 17];
+    let sum_of = |len: usize, times: i32| -> Vec<i32> {
+        (0..len)
+            .map(|i| (0..n).map(|r| int_input(r, len)[i]).sum::<i32>() * times)
+            .collect()
+    };
+    std::thread::scope(|s| {
+        for c in &comms {
+            let ctx = &ctx;
+            s.spawn(move || {
+                ctx.bind_to_thread().unwrap();
+                let (first, second) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+                let mut outs = Vec::new();
+                for &len in &sizes {
+                    let x = first.clone_htod(&int_input(c.rank(), len)).unwrap();
+                    let mut out = first.alloc_zeros::<i32>(len).unwrap();
+                    let call = ferroccl::comm::RawCall {
+                        collective: Collective::AllReduce,
+                        count: len,
+                        dtype: DataType::Int32,
+                        op: ReduceOp::Sum,
+                        input: x.device_ptr(&first).0 as *const u8,
+                        output: out.device_ptr_mut(&first).0 as *mut u8,
+                    };
+                    // SAFETY: buffers of `len` elements, kept until the streams finish.
+                    unsafe { c.enqueue_device(&[call], first.cu_stream() as *mut _) }.unwrap();
+                    outs.push((x, out));
+                }
+                // The second stream waits for the first (an event), then all-reduces the
+                // third call's result again: every rank gets n times the sum.
+                let joined = first.record_event(None).unwrap();
+                second.wait(&joined).unwrap();
+                let (_, ref third) = outs[2];
+                let mut again = second.alloc_zeros::<i32>(COUNT).unwrap();
+                let call = ferroccl::comm::RawCall {
+                    collective: Collective::AllReduce,
+                    count: COUNT,
+                    dtype: DataType::Int32,
+                    op: ReduceOp::Sum,
+                    input: third.device_ptr(&second).0 as *const u8,
+                    output: again.device_ptr_mut(&second).0 as *mut u8,
+                };
+                // SAFETY: as above.
+                unsafe { c.enqueue_device(&[call], second.cu_stream() as *mut _) }.unwrap();
+                second.synchronize().unwrap();
+                first.synchronize().unwrap();
+                c.synchronize_device().unwrap();
+                for (&len, (_, out)) in sizes.iter().zip(&outs) {
+                    assert_eq!(first.clone_dtoh(out).unwrap(), sum_of(len, 1), "size {len}");
+                }
+                assert_eq!(second.clone_dtoh(&again).unwrap(), sum_of(COUNT, n as i32));
+            });
+        }
+    });
+}
+
+/// Two ranks of this process on GPUs 0 and 1: where the driver says the GPUs cannot
+/// reach each other's memory (`FERROCCL_SIM_P2P=none`, as on many cloud VMs), the first
+/// call fails at once with an error that says so; with P2P it works.
+#[test]
+fn gpu_two_gpus_without_p2p_are_refused_clearly() {
+    let Some(_) = gpu() else { return };
+    if cuda::device_count() < 2 {
+        eprintln!("\n*** SKIPPED (one GPU here): P2P needs two devices ***\n");
+        return;
+    }
+    let contexts: Vec<_> = (0..2).map(|d| CudaContext::new(d).unwrap()).collect();
+    let mut can = 0;
+    // SAFETY: two device ordinals; the call writes one int.
+    let rc = unsafe { cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can, 0, 1) };
+    assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    let comms = short_timeout_comms(2, std::time::Duration::from_secs(5));
+    let errors: Vec<Option<String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&contexts)
+            .map(|(c, ctx)| {
+                s.spawn(move || {
+                    ctx.bind_to_thread().unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
+                    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+                    // SAFETY: buffers of COUNT elements, kept until the stream finishes.
+                    let r = unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) };
+                    stream.synchronize().unwrap();
+                    r.and_then(|()| c.synchronize_device())
+                        .err()
+                        .map(|e| e.to_string())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    if can == 0 {
+        for e in &errors {
+            let e = e.as_deref().expect("no P2P: the call fails");
+            assert!(e.contains("no P2P"), "{e}");
+        }
+    } else {
+        assert!(errors.iter().all(Option::is_none), "{errors:?}");
+    }
+}
+
+/// Two ranks on one GPU whose kernels must run at the same time: where the GPU can hold
+/// only one block at once (`FERROCCL_SIM_RESIDENT_BLOCKS=1`), the second waits for the
+/// first, which waits for the second; the timeout gives both streams back with an error
+/// instead of a hang. With room for both, the call succeeds.
+#[test]
+fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
+    let Some((ctx, _)) = gpu() else { return };
+    let one_block = std::env::var("FERROCCL_SIM_RESIDENT_BLOCKS").as_deref() == Ok("1");
+    let config = CommConfig {
+        timeout: std::time::Duration::from_secs(3),
+        ..config_of(Shape {
+            protocol: Protocol::Simple,
+            channels: 1,
+            in_place: false,
+        })
+    };
+    let comms = Communicator::init_all_with(2, config).unwrap();
+    let started = std::time::Instant::now();
+    let outcomes: Vec<ferroccl::Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let ctx = &ctx;
+                s.spawn(move || {
+                    ctx.bind_to_thread().unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
+                    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+                    // SAFETY: buffers of COUNT elements, kept until the stream finishes.
+                    unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
+                    stream.synchronize().unwrap();
+                    c.synchronize_device()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    if one_block {
+        assert!(outcomes.iter().all(|o| o.is_err()), "{outcomes:?}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    } else {
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    }
+}
+
+/// The tests above again on other simulated machines (a child process each, as the
+/// driver reads its configuration once): 2 GPUs, 1 GPU, 2 GPUs without P2P, and GPUs
+/// that hold one block at a time.
+#[test]
+fn gpu_other_simulated_machines() {
+    let Some(_) = gpu() else { return };
+    if !simulated() {
+        return;
+    }
+    // (test, environment, what its output must show)
+    type Run = (&'static str, &'static [(&'static str, &'static str)], &'static str);
+    let runs: [Run; 5] = [
+        (
+            "gpu_every_pair_of_gpus_runs_the_collectives",
+            &[("FERROCCL_SIM_GPUS", "2")],
+            "1 passed",
+        ),
+        (
+            "gpu_every_pair_of_gpus_runs_the_collectives",
+            &[("FERROCCL_SIM_GPUS", "1")],
+            "SKIPPED (one GPU here)",
+        ),
+        (
+            "gpu_communicator_collectives_on_device_memory_equal_the_host_engine",
+            &[("FERROCCL_SIM_GPUS", "1")],
+            "1 passed",
+        ),
+        (
+            "gpu_two_gpus_without_p2p_are_refused_clearly",
+            &[("FERROCCL_SIM_GPUS", "2"), ("FERROCCL_SIM_P2P", "none")],
+            "1 passed",
+        ),
+        (
+            "gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout",
+            &[("FERROCCL_SIM_RESIDENT_BLOCKS", "1")],
+            "1 passed",
+        ),
+    ];
+    for (test, envs, expect) in runs {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains(expect),
+            "{test} with {envs:?}:\n{text}"
+        );
+        eprintln!("{test} with {envs:?}: ok");
+    }
 }
