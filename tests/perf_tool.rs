@@ -238,6 +238,7 @@ fn device_memory_without_a_driver_is_a_clear_error() {
 fn device_memory_sweeps_on_the_simulated_driver() {
     let cases = [
         ("all_reduce_perf", "-np 2", 2),
+        ("all_reduce_perf", "-np 2", 2),
         ("all_reduce_perf", "-np 4", 1),
         ("all_reduce_perf", "-t 3", 2),
         ("reduce_scatter_perf", "-np 2", 1),
@@ -245,17 +246,21 @@ fn device_memory_sweeps_on_the_simulated_driver() {
         ("broadcast_perf", "-np 2", 2),
         ("reduce_perf", "-t 2", 2),
     ];
-    for (name, ranks, gpus) in cases {
+    // Two GPUs without P2P (FIFOs staged through page-locked host memory), processes.
+    let no_p2p = [("FERROCCL_SIM_P2P", "none")];
+    for (i, (name, ranks, gpus)) in cases.into_iter().enumerate() {
         let args = format!("--memory cuda {ranks} -b 8 -e 256K -f 8 -n 2 -w 1 -d int32 -c 1");
+        let extra: &[(&str, &str)] = if i == 0 { &no_p2p } else { &[] };
         let out = Command::new(tool(name))
             .args(args.split_whitespace())
             .arg("--no-progress")
             .env_remove("RANK")
             .envs(common::simulated_gpu_env(gpus))
+            .envs(extra.iter().copied())
             .output()
             .unwrap();
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-        let what = format!("{name} {args} on {gpus} simulated GPU(s)");
+        let what = format!("{name} {args} on {gpus} simulated GPU(s) {extra:?}");
         assert!(out.status.success(), "{what}:\n{stdout}\n{stderr}");
         assert!(
             stdout.contains("device cuda:0 (SIMULATED driver)"),
@@ -273,6 +278,37 @@ fn device_memory_sweeps_on_the_simulated_driver() {
             "{what}:\n{stdout}"
         );
     }
+}
+
+/// Two rank processes on one GPU in exclusive-process compute mode: the second cannot
+/// have a context, and the error says why and what to do.
+#[test]
+fn one_gpu_in_exclusive_process_mode_refuses_a_second_process_clearly() {
+    let out = Command::new(tool("all_reduce_perf"))
+        .args([
+            "--memory",
+            "cuda",
+            "-np",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "--no-progress",
+        ])
+        .env_remove("RANK")
+        .envs(common::simulated_gpu_env(1))
+        .env("FERROCCL_SIM_COMPUTE_MODE", "exclusive-process")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ExclusiveProcess compute mode")
+            && stderr.contains("one rank process per GPU"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]

@@ -213,6 +213,48 @@ pub fn compute_capability(ordinal: usize) -> Result<(u32, u32)> {
     Ok((major as u32, minor as u32))
 }
 
+/// How processes may share a GPU (`CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ComputeMode {
+    /// Any number of processes (their kernels time-slice unless MPS runs them together).
+    Default,
+    /// One process's contexts at a time.
+    ExclusiveProcess,
+    /// No contexts at all.
+    Prohibited,
+}
+
+/// The compute mode of device `ordinal`.
+pub fn compute_mode(ordinal: usize) -> Result<ComputeMode> {
+    driver()?;
+    let mut mode: c_int = 0;
+    // SAFETY: the driver is loaded and initialised; the call writes one int.
+    unsafe {
+        check(
+            sys::cuDeviceGetAttribute(
+                &mut mode,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE,
+                ordinal as sys::CUdevice,
+            ),
+            "cuDeviceGetAttribute(compute mode)",
+        )?
+    };
+    Ok(match mode {
+        2 => ComputeMode::Prohibited,
+        3 => ComputeMode::ExclusiveProcess,
+        _ => ComputeMode::Default,
+    })
+}
+
+/// Whether an MPS control daemon seems to run for this user (its pipe directory:
+/// `CUDA_MPS_PIPE_DIRECTORY`, default `/tmp/nvidia-mps`, holds its `control` pipe).
+pub fn mps_running() -> bool {
+    let dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/tmp/nvidia-mps"));
+    dir.join("control").exists()
+}
+
 /// Where a buffer lives, as the driver reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PointerKind {
@@ -333,6 +375,8 @@ const RUNTIME_SYMBOLS: &[&str] = &[
     "cuCtxEnablePeerAccess",
     "cuMemcpyDtoH_v2",
     "cuStreamIsCapturing",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
 ];
 
 /// The driver, with every symbol the device path calls, and the context current on this
@@ -394,7 +438,17 @@ pub fn current_context() -> Result<Option<Context>> {
 /// Makes device `ordinal`'s primary context (the one the CUDA runtime, and so torch,
 /// uses) current on this thread, for threads of ferroccl's own (the perf tools' ranks).
 pub fn bind_device(ordinal: usize) -> Result<()> {
-    let ctx = Context::primary(ordinal)?;
+    let ctx = Context::primary(ordinal).map_err(|e| match compute_mode(ordinal) {
+        Ok(mode @ (ComputeMode::ExclusiveProcess | ComputeMode::Prohibited)) => Error::Cuda {
+            what: format!(
+                "{e}: GPU {ordinal} is in {mode:?} compute mode, so this process cannot \
+                 have a context on it (another process holds it, or none may): run one \
+                 rank process per GPU, or set the default compute mode \
+                 (nvidia-smi -c DEFAULT)"
+            ),
+        },
+        _ => e,
+    })?;
     // SAFETY: a live context handle.
     unsafe { check(sys::cuCtxSetCurrent(ctx.0), "cuCtxSetCurrent") }
 }
@@ -418,7 +472,7 @@ impl Context {
 
     /// Device `ordinal`'s primary context (retained: it lives as long as the process).
     pub fn primary(ordinal: usize) -> Result<Self> {
-        runtime()?;
+        runtime_symbols()?;
         let mut dev: sys::CUdevice = 0;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: the runtime symbols are present; each call writes one handle.
@@ -708,6 +762,85 @@ impl Drop for MappedHostBuffer {
         let _g = self.ctx.push();
         // SAFETY: allocated by cuMemHostAlloc and freed once, in its context.
         let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
+/// Whether GPU `a`'s kernels can reach GPU `b`'s memory (P2P); `true` for one GPU.
+pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
+    if a == b {
+        return Ok(true);
+    }
+    runtime_symbols()?;
+    let mut can: c_int = 0;
+    // SAFETY: the runtime symbols are present; the call writes one int.
+    unsafe {
+        check(
+            sys::cuDeviceCanAccessPeer(&mut can, a as sys::CUdevice, b as sys::CUdevice),
+            "cuDeviceCanAccessPeer",
+        )?
+    };
+    Ok(can != 0)
+}
+
+/// Host memory of someone else's (a shared-memory segment) registered as page-locked and
+/// mapped for every context's device (`cuMemHostRegister`, portable and device-mapped);
+/// unregistered on drop. The memory must outlive this value.
+#[derive(Debug)]
+pub struct RegisteredHost {
+    host: *mut u8,
+    device: u64,
+    ctx: Context,
+}
+
+// SAFETY: a registration of memory shared on purpose; accesses go through the FIFO
+// protocol (atomics, and slots handed to one side at a time).
+unsafe impl Send for RegisteredHost {}
+
+impl RegisteredHost {
+    /// Registers `bytes` at `host` in the current context.
+    ///
+    /// # Safety
+    /// `host .. host + bytes` is mapped memory that stays mapped until this value is
+    /// dropped.
+    pub unsafe fn new(host: *mut u8, bytes: usize) -> Result<Self> {
+        let ctx = Context::current()?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: the caller's mapping; the runtime symbols are present.
+        unsafe {
+            check(
+                sys::cuMemHostRegister_v2(
+                    host as *mut c_void,
+                    bytes,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                ),
+                "cuMemHostRegister",
+            )?;
+            // From here on a failure unregisters (the value's drop).
+            let mut registered = RegisteredHost {
+                host,
+                device: 0,
+                ctx,
+            };
+            check(
+                sys::cuMemHostGetDevicePointer_v2(&mut device, host as *mut c_void, 0),
+                "cuMemHostGetDevicePointer",
+            )?;
+            registered.device = device;
+            Ok(registered)
+        }
+    }
+
+    /// The address kernels use.
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+}
+
+impl Drop for RegisteredHost {
+    fn drop(&mut self) {
+        let _g = self.ctx.push();
+        // SAFETY: registered by cuMemHostRegister and unregistered once, in its context.
+        let _ = unsafe { sys::cuMemHostUnregister(self.host as *mut c_void) };
     }
 }
 

@@ -11,9 +11,16 @@
 //! access enabled when their GPUs differ. Several ranks may share one GPU (each on a
 //! stream of its own, not the legacy default stream: their kernels must run at once).
 //!
-//! Connections are made on first use, for the FIFO ends a plan names: every rank first
-//! publishes the FIFOs it receives on, then maps those it sends on, so two ranks that
-//! both wait for the other's handle cannot deadlock.
+//! Two GPUs of one host without P2P between them (many cloud VMs, some PCIe topologies)
+//! cannot reach each other's memory: a FIFO between them is staged through page-locked
+//! host memory instead, a shared-memory segment the receiver makes and both sides
+//! register with the driver (portable, mapped for the device), which the executor reads
+//! and writes as it would device memory, over PCIe. Said at INFO.
+//!
+//! Connections are made on first use, for the FIFO ends a plan names, in three steps
+//! none of which waits on a later one, so no two ranks wait on each other: every rank
+//! says where each sending end is (process, GPU); then makes and publishes the FIFOs it
+//! receives on, each where its sender can reach it; then maps those it sends on.
 //!
 //! Layout of one FIFO's allocation (bytes): `head` at 0, `tail` at 128, per-slot byte
 //! counts from 256, slots from [`DATA_OFFSET`]. An LL sender keeps its `head` (its own
@@ -24,12 +31,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::cuda::work::{FcclFifo, FifoEnd};
-use crate::cuda::{DeviceBuffer, ImportedBuffer};
+use crate::cuda::{DeviceBuffer, ImportedBuffer, RegisteredHost};
 use crate::error::{Error, Result};
 use crate::store::Store;
 
 use super::Protocol;
 use super::fifo::Geometry;
+use super::segment::{Segment, SegmentKind};
 
 /// Where `head` lies in a FIFO's allocation.
 pub const HEAD_OFFSET: u64 = 0;
@@ -42,10 +50,12 @@ pub const DATA_OFFSET: u64 = 4096;
 /// Most slots a device FIFO may have (their counts must fit before the data).
 pub const MAX_SLOTS: usize = ((DATA_OFFSET - SIZES_OFFSET) / 4) as usize;
 
-const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIP2";
-/// Bytes of a published FIFO: magic, process token, pid, device ordinal, device address,
-/// IPC handle.
-const EXPORT_BYTES: usize = 8 + 8 + 4 + 4 + 8 + 64;
+const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIP3";
+/// Bytes of a published FIFO: magic, process token, pid, device ordinal, staged flag,
+/// device address, IPC handle.
+const EXPORT_BYTES: usize = 8 + 8 + 4 + 4 + 4 + 4 + 8 + 64;
+/// Bytes of a sender's whereabouts: process token, host hash, device ordinal.
+const SENDER_BYTES: usize = 8 + 8 + 4;
 
 /// A random number drawn once per process: two ranks are in one process exactly when
 /// their tokens are equal. (A pid alone is not: processes on two hosts, or in two pid
@@ -66,6 +76,9 @@ pub struct Export {
     /// The receiver's GPU (a sender of the same process on another GPU enables peer
     /// access to it).
     pub device: u32,
+    /// The FIFO is in page-locked host memory (the segment [`staged_name`] names), not
+    /// on the receiver's GPU: the two GPUs have no P2P.
+    pub staged: bool,
     /// The allocation's device address in the receiver's process.
     pub ptr: u64,
     /// Its CUDA IPC handle.
@@ -80,6 +93,8 @@ impl Export {
         out.extend_from_slice(&self.process.to_le_bytes());
         out.extend_from_slice(&self.pid.to_le_bytes());
         out.extend_from_slice(&self.device.to_le_bytes());
+        out.extend_from_slice(&u32::from(self.staged).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&self.ptr.to_le_bytes());
         out.extend_from_slice(&self.handle);
         out
@@ -95,12 +110,13 @@ impl Export {
             )));
         }
         let mut handle = [0u8; 64];
-        handle.copy_from_slice(&bytes[32..96]);
+        handle.copy_from_slice(&bytes[40..104]);
         Ok(Export {
             process: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
             pid: u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes")),
             device: u32::from_le_bytes(bytes[20..24].try_into().expect("4 bytes")),
-            ptr: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
+            staged: bytes[24] != 0,
+            ptr: u64::from_le_bytes(bytes[32..40].try_into().expect("8 bytes")),
             handle,
         })
     }
@@ -109,6 +125,86 @@ impl Export {
 /// The store key of the FIFO carrying `from` → `to` on `channel` with `protocol`.
 pub fn key(channel: usize, from: usize, to: usize, protocol: Protocol) -> String {
     format!("cuda_ipc/{channel}/{from}-{to}/{}", protocol.name())
+}
+
+/// The store key where the sender of that FIFO says where it is.
+pub fn sender_key(channel: usize, from: usize, to: usize, protocol: Protocol) -> String {
+    format!("cuda_ipc/sender/{channel}/{from}-{to}/{}", protocol.name())
+}
+
+/// The shared-memory segment of a staged FIFO whose receiver has process token
+/// `receiver` (unique on the host: the token is random per process).
+pub fn staged_name(
+    receiver: u64,
+    channel: usize,
+    from: usize,
+    to: usize,
+    protocol: Protocol,
+) -> String {
+    format!(
+        "ferroccl-cudafifo-{receiver:016x}-{channel}-{from}-{to}-{}",
+        protocol.name()
+    )
+}
+
+/// Where a FIFO's sender is: its process, host and GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sender {
+    /// Its [`process_token`].
+    pub process: u64,
+    /// A hash of its host's identity ([`crate::bootstrap::host_id`]).
+    pub host: u64,
+    /// Its GPU.
+    pub device: u32,
+}
+
+impl Sender {
+    /// This process on `device`.
+    pub fn here(device: usize) -> Self {
+        let host = crate::bootstrap::host_id()
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+        Sender {
+            process: process_token(),
+            host,
+            device: device as u32,
+        }
+    }
+
+    /// The bytes stored for it.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(SENDER_BYTES);
+        out.extend_from_slice(&self.process.to_le_bytes());
+        out.extend_from_slice(&self.host.to_le_bytes());
+        out.extend_from_slice(&self.device.to_le_bytes());
+        out
+    }
+
+    /// Reads what [`encode`](Self::encode) wrote; `key` names it in errors.
+    pub fn decode(key: &str, bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != SENDER_BYTES {
+            return Err(Error::invalid(format!(
+                "cuda_ipc: store key {key} does not hold a FIFO sender ({} bytes)",
+                bytes.len()
+            )));
+        }
+        Ok(Sender {
+            process: u64::from_le_bytes(bytes[0..8].try_into().expect("8 bytes")),
+            host: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
+            device: u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes")),
+        })
+    }
+
+    /// Whether a FIFO to a receiver on `device` of this host must be staged through host
+    /// memory: the GPUs differ and the driver says there is no P2P between them.
+    pub fn needs_staging(&self, device: usize) -> Result<bool> {
+        if self.host != Sender::here(device).host || self.device as usize == device {
+            return Ok(false);
+        }
+        Ok(!crate::cuda::can_access_peer(device, self.device as usize)?)
+    }
 }
 
 /// Bytes of one FIFO's allocation.
@@ -136,7 +232,6 @@ pub fn fifo_at(base: u64, g: &Geometry, stage: u64) -> FcclFifo {
 }
 
 /// The device FIFOs of one rank, connected on first use.
-#[derive(Debug)]
 pub struct DeviceFifos {
     rank: usize,
     simple: Geometry,
@@ -146,6 +241,21 @@ pub struct DeviceFifos {
     owned: Vec<DeviceBuffer>,
     /// FIFOs of other processes this rank sends on.
     imported: Vec<ImportedBuffer>,
+    /// Staged FIFOs' registrations (dropped before their segments), then segments.
+    registered: Vec<RegisteredHost>,
+    segments: Vec<(Segment, Option<String>)>,
+    /// Whether the warning about processes time-slicing one GPU was given.
+    warned_time_slicing: bool,
+}
+
+impl std::fmt::Debug for DeviceFifos {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceFifos")
+            .field("rank", &self.rank)
+            .field("connected", &self.connected.len())
+            .field("staged", &self.segments.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl DeviceFifos {
@@ -167,6 +277,9 @@ impl DeviceFifos {
             connected: HashMap::new(),
             owned: Vec::new(),
             imported: Vec::new(),
+            registered: Vec::new(),
+            segments: Vec::new(),
+            warned_time_slicing: false,
         })
     }
 
@@ -183,6 +296,30 @@ impl DeviceFifos {
         self.connected.clear();
         self.imported.clear();
         self.owned.clear();
+        self.registered.clear();
+        for (_, name) in self.segments.drain(..) {
+            if let Some(name) = name {
+                Segment::unlink(SegmentKind::Shm, &name);
+            }
+        }
+    }
+
+    /// Maps the shared segment `name` of `bytes` (making it when `create`), registers it
+    /// with the driver and returns the address kernels use.
+    fn staged(&mut self, name: &str, bytes: usize, create: bool) -> Result<u64> {
+        let segment = if create {
+            Segment::create(SegmentKind::Shm, name, bytes)?
+        } else {
+            Segment::open(SegmentKind::Shm, name, bytes)?
+        };
+        // SAFETY: the segment stays mapped (in `segments`) until after the registration
+        // is dropped (`registered` is cleared first).
+        let registered = unsafe { RegisteredHost::new(segment.as_ptr(), bytes)? };
+        let device = registered.device();
+        self.registered.push(registered);
+        self.segments
+            .push((segment, create.then(|| name.to_string())));
+        Ok(device)
     }
 
     /// The executor's view of each of `ends`, connecting those not yet connected through
@@ -194,29 +331,76 @@ impl DeviceFifos {
         timeout: Duration,
     ) -> Result<Vec<FcclFifo>> {
         let me = self.rank;
-        // Receive ends first: publish, so that no two ranks wait on each other.
+        let here = crate::cuda::runtime()?;
+        // 1. Where each sending end is (never waits).
+        for end in ends
+            .iter()
+            .filter(|e| e.sends && !self.connected.contains_key(e))
+        {
+            store.set(
+                &sender_key(end.channel, me, end.peer, end.protocol),
+                &Sender::here(here).encode(),
+            )?;
+        }
+        // 2. Each receiving FIFO, where its sender can reach it (waits only for step 1).
         for end in ends.iter().filter(|e| !e.sends) {
             if self.connected.contains_key(end) {
                 continue;
             }
             let g = self.geometry(end.protocol);
-            let fifo = DeviceBuffer::zeroed(allocation_bytes(&g))?;
+            let sk = sender_key(end.channel, end.peer, me, end.protocol);
+            store.wait(&[&sk], timeout)?;
+            let sender = Sender::decode(&sk, &store.get(&sk)?)?;
             let stage = DeviceBuffer::zeroed(g.payload())?;
-            let export = Export {
+            let mut export = Export {
                 process: process_token(),
                 pid: std::process::id(),
-                device: crate::cuda::runtime()? as u32,
-                ptr: fifo.ptr(),
-                handle: fifo.ipc_handle()?,
+                device: here as u32,
+                staged: false,
+                ptr: 0,
+                handle: [0; 64],
+            };
+            if sender.process != process_token()
+                && sender.host == Sender::here(here).host
+                && sender.device as usize == here
+                && !crate::cuda::mps_running()
+                && !self.warned_time_slicing
+            {
+                self.warned_time_slicing = true;
+                tracing::warn!(
+                    "rank {me}: rank {} is another process on this rank's GPU {here}, and no \
+                     MPS daemon runs: their kernels time-slice, and each hand-off between \
+                     them waits for a slice switch (expect device calls to be very slow). \
+                     Start MPS (nvidia-cuda-mps-control -d) or run one process per GPU",
+                    end.peer
+                );
+            }
+            let base = if sender.needs_staging(here)? {
+                tracing::info!(
+                    "rank {me}: the FIFO from rank {} (GPU {}) to rank {me} (GPU {here}) is \
+                     staged through page-locked host memory: no P2P between the GPUs",
+                    end.peer,
+                    sender.device
+                );
+                let name = staged_name(process_token(), end.channel, end.peer, me, end.protocol);
+                export.staged = true;
+                self.staged(&name, allocation_bytes(&g), true)?
+            } else {
+                let fifo = DeviceBuffer::zeroed(allocation_bytes(&g))?;
+                export.ptr = fifo.ptr();
+                export.handle = fifo.ipc_handle()?;
+                let base = fifo.ptr();
+                self.owned.push(fifo);
+                base
             };
             store.set(
                 &key(end.channel, end.peer, me, end.protocol),
                 &export.encode(),
             )?;
-            self.connected
-                .insert(*end, fifo_at(fifo.ptr(), &g, stage.ptr()));
-            self.owned.extend([fifo, stage]);
+            self.connected.insert(*end, fifo_at(base, &g, stage.ptr()));
+            self.owned.push(stage);
         }
+        // 3. Each sending FIFO, as its receiver made it (waits only for step 2).
         for end in ends.iter().filter(|e| e.sends) {
             if self.connected.contains_key(end) {
                 continue;
@@ -225,7 +409,10 @@ impl DeviceFifos {
             let k = key(end.channel, me, end.peer, end.protocol);
             store.wait(&[&k], timeout)?;
             let export = Export::decode(&k, &store.get(&k)?)?;
-            let base = if export.process == process_token() {
+            let base = if export.staged {
+                let name = staged_name(export.process, end.channel, me, end.peer, end.protocol);
+                self.staged(&name, allocation_bytes(&g), false)?
+            } else if export.process == process_token() {
                 // Same process: the receiver's pointer, reachable once peer access to
                 // its GPU is on (IPC handles cannot be opened in their own process).
                 crate::cuda::enable_peer_access(export.device as usize)?;
@@ -259,6 +446,7 @@ mod tests {
             process: 0x1234_5678_9abc_def1,
             pid: 4242,
             device: 3,
+            staged: true,
             ptr: 0x7f00_0000_1000,
             handle: std::array::from_fn(|i| i as u8),
         };

@@ -200,6 +200,7 @@ struct Region {
   uint64_t id = 0;
   bool exported = false;
   unsigned flags = 0;
+  bool registered = false;  // cuMemHostRegister: someone else's mapping
 };
 
 std::map<uintptr_t, Region> regions;  // by base
@@ -718,6 +719,10 @@ std::string access_problem(Ctx* c, uintptr_t p, size_t n) {
   }
   switch (r->kind) {
     case Kind::HostMapped:
+      if (r->ctx != c && !(r->flags & 0x1))
+        return "page-locked memory of GPU " + std::to_string(r->ctx->device) +
+               "'s context, not registered as portable";
+      if (!(r->flags & 0x2)) return "page-locked memory not mapped for the device";
       return "";
     case Kind::Imported:
       if (r->ctx != c) return "an IPC mapping of another context";
@@ -1203,13 +1208,47 @@ SIM_API CUresult cuMemFreeHost(void* p) {
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
   auto it = regions.find((uintptr_t)p);
-  if (it == regions.end() || it->second.kind != Kind::HostMapped) {
+  if (it == regions.end() || it->second.kind != Kind::HostMapped || it->second.registered) {
     say("cuMemFreeHost(%p): not the start of a live page-locked allocation", p);
     return CUDA_ERROR_INVALID_VALUE;
   }
   Region r = it->second;
   regions.erase(it);
   retire_mapping((void*)r.base, r.size);
+  return CUDA_SUCCESS;
+}
+
+// Registers someone else's mapping as page-locked (unregistering leaves it mapped).
+SIM_API CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
+  if (!p || bytes == 0 || (flags & ~0xfu)) return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard<std::mutex> g(mu);
+  Ctx* c;
+  if (CUresult rc = current_ctx(&c)) return rc;
+  uintptr_t a = (uintptr_t)p;
+  auto it = regions.lower_bound(a);
+  bool overlaps = (it != regions.end() && it->first < a + bytes) || find_region(a);
+  if (overlaps) {
+    say("cuMemHostRegister(%p, %zu): overlaps memory the driver knows already", p, bytes);
+    return CUDA_ERROR_INVALID_VALUE;  // the real driver: HOST_MEMORY_ALREADY_REGISTERED
+  }
+  Region r{a, bytes, Kind::HostMapped, -1, c};
+  // CU_MEMHOSTREGISTER_DEVICEMAP is 2, as CU_MEMHOSTALLOC_DEVICEMAP; PORTABLE is 1 in both.
+  r.flags = flags;
+  r.registered = true;
+  regions[r.base] = r;
+  return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemHostUnregister(void* p) {
+  std::lock_guard<std::mutex> g(mu);
+  Ctx* c;
+  if (CUresult rc = current_ctx(&c)) return rc;
+  auto it = regions.find((uintptr_t)p);
+  if (it == regions.end() || !it->second.registered) {
+    say("cuMemHostUnregister(%p): not registered memory", p);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  regions.erase(it);
   return CUDA_SUCCESS;
 }
 
