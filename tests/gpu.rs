@@ -628,10 +628,11 @@ fn short_timeout_comms(n: usize, timeout: std::time::Duration) -> Vec<Communicat
     Communicator::init_all_with(n, config).unwrap()
 }
 
-/// An all-reduce of [`COUNT`] int32 on `stream`'s device buffers (kept by the caller).
+/// An all-reduce (sum) of `x`'s int32 elements into `out` on `stream`.
 ///
 /// # Safety
-/// `x` and `out` are device buffers of [`COUNT`] elements of `stream`'s context.
+/// `x` and `out` are device buffers of the same length of `stream`'s context, kept by
+/// the caller until the stream has passed the call.
 unsafe fn enqueue_all_reduce(
     c: &Communicator,
     x: &cudarc::driver::CudaSlice<i32>,
@@ -640,7 +641,7 @@ unsafe fn enqueue_all_reduce(
 ) -> ferroccl::Result<()> {
     let call = ferroccl::comm::RawCall {
         collective: Collective::AllReduce,
-        count: COUNT,
+        count: x.len(),
         dtype: DataType::Int32,
         op: ReduceOp::Sum,
         input: x.device_ptr(stream).0 as *const u8,
@@ -650,6 +651,23 @@ unsafe fn enqueue_all_reduce(
     unsafe { c.enqueue_device(&[call], stream.cu_stream() as *mut std::ffi::c_void) }
 }
 
+/// Rank `c`'s all-reduce of [`COUNT`] int32 on a new stream of `ctx`'s GPU, waited for:
+/// the outcome `synchronize_device` reports, and the output.
+fn all_reduce_on_a_stream_of_its_own(
+    ctx: &Arc<CudaContext>,
+    c: &Communicator,
+) -> (ferroccl::Result<()>, Vec<i32>) {
+    ctx.bind_to_thread().unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
+    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
+    // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
+    unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
+    stream.synchronize().unwrap();
+    let outcome = c.synchronize_device();
+    (outcome, stream.clone_dtoh(&out).unwrap())
+}
+
 /// One all-reduce by every rank of `comms`, each on a stream of its own on `ctx`'s GPU,
 /// so that their FIFOs are connected; checked.
 fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
@@ -657,18 +675,12 @@ fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
     std::thread::scope(|s| {
         for c in comms {
             s.spawn(move || {
-                ctx.bind_to_thread().unwrap();
-                let stream = ctx.new_stream().unwrap();
-                let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
-                let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
-                // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
-                unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
-                stream.synchronize().unwrap();
-                c.synchronize_device().unwrap();
+                let (outcome, got) = all_reduce_on_a_stream_of_its_own(ctx, c);
+                outcome.unwrap();
                 let want: Vec<i32> = (0..COUNT)
                     .map(|i| (0..n).map(|r| int_input(r, COUNT)[i]).sum())
                     .collect();
-                assert_eq!(stream.clone_dtoh(&out).unwrap(), want);
+                assert_eq!(got, want);
             });
         }
     });
@@ -845,16 +857,8 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
                 for &len in &sizes {
                     let x = first.clone_htod(&int_input(c.rank(), len)).unwrap();
                     let mut out = first.alloc_zeros::<i32>(len).unwrap();
-                    let call = ferroccl::comm::RawCall {
-                        collective: Collective::AllReduce,
-                        count: len,
-                        dtype: DataType::Int32,
-                        op: ReduceOp::Sum,
-                        input: x.device_ptr(&first).0 as *const u8,
-                        output: out.device_ptr_mut(&first).0 as *mut u8,
-                    };
                     // SAFETY: buffers of `len` elements, kept until the streams finish.
-                    unsafe { c.enqueue_device(&[call], first.cu_stream() as *mut _) }.unwrap();
+                    unsafe { enqueue_all_reduce(c, &x, &mut out, &first) }.unwrap();
                     outs.push((x, out));
                 }
                 // The second stream waits for the first (an event), then all-reduces the
@@ -863,16 +867,8 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
                 second.wait(&joined).unwrap();
                 let (_, ref third) = outs[2];
                 let mut again = second.alloc_zeros::<i32>(COUNT).unwrap();
-                let call = ferroccl::comm::RawCall {
-                    collective: Collective::AllReduce,
-                    count: COUNT,
-                    dtype: DataType::Int32,
-                    op: ReduceOp::Sum,
-                    input: third.device_ptr(&second).0 as *const u8,
-                    output: again.device_ptr_mut(&second).0 as *mut u8,
-                };
                 // SAFETY: as above.
-                unsafe { c.enqueue_device(&[call], second.cu_stream() as *mut _) }.unwrap();
+                unsafe { enqueue_all_reduce(c, third, &mut again, &second) }.unwrap();
                 second.synchronize().unwrap();
                 first.synchronize().unwrap();
                 c.synchronize_device().unwrap();
@@ -928,16 +924,7 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
             .iter()
             .map(|c| {
                 let ctx = &ctx;
-                s.spawn(move || {
-                    ctx.bind_to_thread().unwrap();
-                    let stream = ctx.new_stream().unwrap();
-                    let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
-                    let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
-                    // SAFETY: buffers of COUNT elements, kept until the stream finishes.
-                    unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
-                    stream.synchronize().unwrap();
-                    c.synchronize_device()
-                })
+                s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, c).0)
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()

@@ -15,7 +15,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use ferroccl::comm::{CommConfig, Communicator};
@@ -93,24 +92,7 @@ fn host_kernels() -> &'static libloading::Library {
             "libferroccl_kernels_host_{}.so",
             std::process::id()
         ));
-        let status = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                "-o",
-            ])
-            .arg(&out)
-            .arg(root().join("kernels/host/entry.cpp"))
-            .status()
-            .expect("run the C++ compiler (c++)");
-        assert!(status.success(), "kernels/host/entry.cpp does not compile");
+        common::build_host_cxx(&root().join("kernels/host/entry.cpp"), &out, &[]);
         // SAFETY: our own library; its initialisers are the C++ runtime's.
         let lib = unsafe { libloading::Library::new(&out) }.expect("load the host kernels");
         let _ = std::fs::remove_file(&out);

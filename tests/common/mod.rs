@@ -294,6 +294,25 @@ pub fn simulated_driver() -> std::path::PathBuf {
     }
     std::fs::create_dir_all(&dir).expect("make target/simcuda");
     let tmp = dir.join(format!("libcuda.so.1.tmp{}", std::process::id()));
+    build_host_cxx(
+        &root.join(sources[0]),
+        &tmp,
+        &[
+            "-Wno-missing-field-initializers",
+            "-fvisibility=hidden",
+            // cudarc asks for "libcuda.so" first: glibc gives the already-loaded library
+            // whose SONAME is the name asked for.
+            "-Wl,-soname,libcuda.so",
+        ],
+    );
+    std::fs::rename(&tmp, &lib).expect("put the simulated driver in place");
+    lib
+}
+
+/// Builds the C++ file `source` (a host build of `kernels/*.cu`) as the shared library
+/// `out`, with warnings as errors, no floating-point contraction (bit for bit the host
+/// kernels' arithmetic) and `extra` flags.
+pub fn build_host_cxx(source: &std::path::Path, out: &std::path::Path, extra: &[&str]) {
     let status = std::process::Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
         .args([
             "-std=c++20",
@@ -301,27 +320,18 @@ pub fn simulated_driver() -> std::path::PathBuf {
             "-ffp-contract=off",
             "-Wall",
             "-Wextra",
-            "-Wno-missing-field-initializers",
             "-Werror",
             "-shared",
             "-fPIC",
             "-pthread",
-            "-fvisibility=hidden",
-            // cudarc asks for "libcuda.so" first: glibc gives the already-loaded library
-            // whose SONAME is the name asked for.
-            "-Wl,-soname,libcuda.so",
-            "-o",
         ])
-        .arg(&tmp)
-        .arg(root.join(sources[0]))
+        .args(extra)
+        .arg("-o")
+        .arg(out)
+        .arg(source)
         .status()
         .expect("run the C++ compiler (c++)");
-    assert!(
-        status.success(),
-        "tests/simcuda/simcuda.cpp does not compile"
-    );
-    std::fs::rename(&tmp, &lib).expect("put the simulated driver in place");
-    lib
+    assert!(status.success(), "{} does not compile", source.display());
 }
 
 /// Where the tests keep NVRTC's cubins (shared by every test process of a run).
