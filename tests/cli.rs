@@ -4,6 +4,10 @@
 
 use std::process::{Command, Output};
 
+// The simulated CUDA driver's helpers.
+#[allow(unused_imports)]
+mod common;
+
 const FERRORUN: &str = env!("CARGO_BIN_EXE_ferrorun");
 const RENDEZVOUS: &str = env!("CARGO_BIN_EXE_ferroccl-rendezvous");
 const TUNE: &str = env!("CARGO_BIN_EXE_ferroccl-tune");
@@ -547,5 +551,32 @@ fn typical_command_lines_work_as_before() {
         stderr(&out).starts_with("ferroccl-viz: "),
         "{}",
         stderr(&out)
+    );
+}
+
+/// `ferroccl-topo` says which CUDA driver it sees: the simulated one by name when
+/// `FERROCCL_CUDA_DRIVER` selects it, and a library that cannot be loaded as an error
+/// naming the variable (never a panic).
+#[test]
+fn topo_names_the_cuda_driver_it_sees() {
+    let simulated = Command::new(TOPO)
+        .envs(common::simulated_gpu_env(2))
+        .output()
+        .unwrap();
+    let text = stdout(&simulated);
+    assert!(simulated.status.success(), "{}", stderr(&simulated));
+    assert!(
+        text.contains("CUDA driver: SIMULATED") && text.contains("2 simulated device(s)"),
+        "{text}"
+    );
+    let missing = Command::new(TOPO)
+        .env("FERROCCL_CUDA_DRIVER", "/nonexistent/libcuda.so.1")
+        .output()
+        .unwrap();
+    let text = stdout(&missing);
+    assert!(missing.status.success(), "{}", stderr(&missing));
+    assert!(
+        text.contains("CUDA driver: none") && text.contains("FERROCCL_CUDA_DRIVER=/nonexistent"),
+        "{text}"
     );
 }
