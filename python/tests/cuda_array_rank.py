@@ -45,7 +45,8 @@ class DeviceArray:
         self.dtype = np.dtype(dtype)
         self.count = count
         self.ptr = ctypes.c_uint64()
-        check(DRIVER.cuMemAlloc_v2(ctypes.byref(self.ptr), ctypes.c_size_t(max(1, count * self.dtype.itemsize))), "cuMemAlloc")
+        nbytes = ctypes.c_size_t(max(1, count * self.dtype.itemsize))
+        check(DRIVER.cuMemAlloc_v2(ctypes.byref(self.ptr), nbytes), "cuMemAlloc")
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -60,12 +61,16 @@ class DeviceArray:
 
     def upload(self, host: np.ndarray) -> None:
         data = np.ascontiguousarray(host, dtype=self.dtype)
-        check(DRIVER.cuMemcpyHtoD_v2(ctypes.c_uint64(self.ptr.value), data.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(data.nbytes)), "cuMemcpyHtoD")
+        src = data.ctypes.data_as(ctypes.c_void_p)
+        rc = DRIVER.cuMemcpyHtoD_v2(ctypes.c_uint64(self.ptr.value), src, ctypes.c_size_t(data.nbytes))
+        check(rc, "cuMemcpyHtoD")
 
     def download(self) -> np.ndarray:
         out = np.zeros(self.count, dtype=self.dtype)
         check(DRIVER.cuStreamSynchronize(STREAM), "cuStreamSynchronize")
-        check(DRIVER.cuMemcpyDtoH_v2(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(self.ptr.value), ctypes.c_size_t(out.nbytes)), "cuMemcpyDtoH")
+        dst = out.ctypes.data_as(ctypes.c_void_p)
+        rc = DRIVER.cuMemcpyDtoH_v2(dst, ctypes.c_uint64(self.ptr.value), ctypes.c_size_t(out.nbytes))
+        check(rc, "cuMemcpyDtoH")
         return out
 
     def free(self) -> None:
