@@ -280,6 +280,61 @@ fn device_memory_sweeps_on_the_simulated_driver() {
     }
 }
 
+/// `--backend both` with ferroccl's own C library (the cdylib, `libnccl.so.2`) standing
+/// in for NVIDIA's NCCL, which cannot run on the simulated driver: the NCCL backend's
+/// plumbing (loading by path, the unique id through the host communicator, every call
+/// through the C ABI on a stream) runs, both tables are checked, and the side-by-side
+/// table is printed.
+#[test]
+fn the_nccl_backend_runs_with_ferroccls_own_libnccl_standing_in() {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let lib = [deps, deps.parent().unwrap()]
+        .iter()
+        .map(|d| d.join("libferroccl.so"))
+        .find(|p| p.exists())
+        .expect("libferroccl.so next to the test");
+    for name in [
+        "all_reduce_perf",
+        "reduce_scatter_perf",
+        "all_gather_perf",
+        "broadcast_perf",
+        "reduce_perf",
+        "sendrecv_perf",
+    ] {
+        let out = Command::new(tool(name))
+            .args([
+                "--memory", "cuda", "-np", "2", "-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w",
+                "1",
+            ])
+            .args(["--backend", "both", "--no-progress"])
+            .env_remove("RANK")
+            .envs(common::simulated_gpu_env(2))
+            .env("FERROCCL_NCCL_LIB", &lib)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{name}:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("Library: NCCL") && stdout.contains("Side by side"),
+            "{name}:\n{stdout}"
+        );
+        let table: Vec<_> = rows(&stdout).into_iter().filter(|r| r.len() > 12).collect();
+        assert_eq!(
+            table.len(),
+            10,
+            "{name}: 5 sizes for each library:\n{stdout}"
+        );
+        for row in &table {
+            // In place: none for send/receive.
+            assert!(
+                row[8] == "0" && (row[12] == "0" || row[12] == "N/A"),
+                "{name}:\n{stdout}"
+            );
+        }
+    }
+}
+
 /// Two rank processes on one GPU in exclusive-process compute mode: the second cannot
 /// have a context, and the error says why and what to do.
 #[test]

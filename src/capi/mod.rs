@@ -241,10 +241,12 @@ unsafe fn collective(
         return Err(invalid(format!("recvbuff is NULL for {count} elements")));
     }
     // Device memory (either buffer): enqueued on the stream. Host memory: run now, in
-    // the stream's order.
+    // the stream's order. A buffer the call does not use (a reduce's recvbuff off the
+    // root, an empty one) is not asked about: it may point anywhere, as with NCCL.
+    let used = |p: *const c_void, len: usize| if len > 0 { p } else { std::ptr::null() };
     let kinds = [
-        ("sendbuff", sendbuff),
-        ("recvbuff", recvbuff as *const c_void),
+        ("sendbuff", used(sendbuff, in_len)),
+        ("recvbuff", used(recvbuff as *const c_void, out_len)),
     ]
     .map(|(name, p)| (name, p, cuda::pointer_kind(p)));
     let on_device = kinds.iter().any(|k| k.2 == PointerKind::Device);
