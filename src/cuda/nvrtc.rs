@@ -449,3 +449,55 @@ unsafe fn get_cubin(program: sys::nvrtcProgram) -> Result<Vec<u8>> {
         Ok(image)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_older_than_nvrtc_is_refused_naming_both() {
+        assert!(check_driver_supports((13, 2), 13000).is_ok());
+        assert!(check_driver_supports((12, 8), 13020).is_ok());
+        let err = check_driver_supports((13, 2), 12080)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("NVRTC 13.2") && err.contains("CUDA 12.8") && err.contains("12080"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn cache_names_differ_by_source_architecture_and_compiler() {
+        let a = cache_name(&EXECUTOR, (9, 0), (13, 2));
+        assert!(
+            a.starts_with("executor-sm_90-nvrtc13.2-") && a.ends_with(".cubin"),
+            "{a}"
+        );
+        assert_eq!(a, cache_name(&EXECUTOR, (9, 0), (13, 2)));
+        assert_ne!(a, cache_name(&EXECUTOR, (8, 0), (13, 2)));
+        assert_ne!(a, cache_name(&EXECUTOR, (9, 0), (13, 1)));
+        assert_ne!(a, cache_name(&REDUCE, (9, 0), (13, 2)));
+    }
+
+    #[test]
+    fn a_cached_image_is_read_back_whole_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("ferroccl-cubin-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(cache_name(&REDUCE, (9, 0), (13, 2)));
+        assert!(read_cached(&path, &REDUCE, (9, 0)).is_none());
+        let cubin = Cubin {
+            source: REDUCE.name,
+            arch: (9, 0),
+            image: b"\x7fELF and the rest".to_vec(),
+            log: "ptxas info".into(),
+        };
+        write_cached(&path, &cubin).unwrap();
+        let back = read_cached(&path, &REDUCE, (9, 0)).unwrap();
+        assert_eq!((back.image, back.log), (cubin.image, cubin.log));
+        // Not an ELF image: not a hit.
+        std::fs::write(&path, b"garbage").unwrap();
+        assert!(read_cached(&path, &REDUCE, (9, 0)).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
