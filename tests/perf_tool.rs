@@ -335,6 +335,60 @@ fn the_nccl_backend_runs_with_ferroccls_own_libnccl_standing_in() {
     }
 }
 
+/// What a device sweep says when the machine cannot run it, on simulated machines: a
+/// driver older than NVRTC (both versions named), a GPU in prohibited compute mode, and
+/// an NVRTC that is not where `FERROCCL_NVRTC` says. Each is an error naming the cause,
+/// never a panic or a hang.
+#[test]
+fn device_sweeps_name_what_the_machine_lacks() {
+    let cache = tempfile::tempdir().unwrap();
+    // (the simulated machine's settings, what the error must say)
+    type Case = (
+        &'static [(&'static str, &'static str)],
+        &'static [&'static str],
+    );
+    let cases: [Case; 3] = [
+        (
+            &[("FERROCCL_SIM_DRIVER_VERSION", "12080")],
+            &["NVRTC 13.", "CUDA 12.8", "update the NVIDIA driver"],
+        ),
+        (
+            &[("FERROCCL_SIM_COMPUTE_MODE", "prohibited")],
+            &["Prohibited compute mode"],
+        ),
+        (
+            &[("FERROCCL_NVRTC", "/nonexistent/nvrtc/lib")],
+            &["FERROCCL_NVRTC=/nonexistent/nvrtc/lib"],
+        ),
+    ];
+    for (envs, want) in cases {
+        let out = Command::new(tool("all_reduce_perf"))
+            .args([
+                "--memory",
+                "cuda",
+                "-t",
+                "1",
+                "-b",
+                "8",
+                "-e",
+                "8",
+                "--no-progress",
+            ])
+            .env_remove("RANK")
+            .envs(common::simulated_gpu_env(1))
+            .env("FERROCCL_CACHE_DIR", cache.path())
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{envs:?}: {stderr}");
+        for w in want {
+            assert!(stderr.contains(w), "{envs:?}: no {w:?} in:\n{stderr}");
+        }
+        assert!(!stderr.contains("panicked"), "{envs:?}: {stderr}");
+    }
+}
+
 /// Two rank processes on one GPU in exclusive-process compute mode: the second cannot
 /// have a context, and the error says why and what to do.
 #[test]
