@@ -45,6 +45,19 @@ fn run(name: &str, args: &str) -> Output {
         .unwrap()
 }
 
+/// Runs tool `name` with `args` on the simulated CUDA driver with `gpus` GPUs and more
+/// environment `envs`.
+fn on_simulated_gpus(name: &str, args: &str, gpus: usize, envs: &[(&str, &str)]) -> Output {
+    Command::new(tool(name))
+        .args(args.split_whitespace())
+        .arg("--no-progress")
+        .env_remove("RANK")
+        .envs(common::simulated_gpu_env(gpus))
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap()
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -251,14 +264,7 @@ fn device_memory_sweeps_on_the_simulated_driver() {
     for (i, (name, ranks, gpus)) in cases.into_iter().enumerate() {
         let args = format!("--memory cuda {ranks} -b 8 -e 256K -f 8 -n 2 -w 1 -d int32 -c 1");
         let extra: &[(&str, &str)] = if i == 0 { &no_p2p } else { &[] };
-        let out = Command::new(tool(name))
-            .args(args.split_whitespace())
-            .arg("--no-progress")
-            .env_remove("RANK")
-            .envs(common::simulated_gpu_env(gpus))
-            .envs(extra.iter().copied())
-            .output()
-            .unwrap();
+        let out = on_simulated_gpus(name, &args, gpus, extra);
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         let what = format!("{name} {args} on {gpus} simulated GPU(s) {extra:?}");
         assert!(out.status.success(), "{what}:\n{stdout}\n{stderr}");
@@ -302,17 +308,12 @@ fn the_nccl_backend_runs_with_ferroccls_own_libnccl_standing_in() {
         "reduce_perf",
         "sendrecv_perf",
     ] {
-        let out = Command::new(tool(name))
-            .args([
-                "--memory", "cuda", "-np", "2", "-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w",
-                "1",
-            ])
-            .args(["--backend", "both", "--no-progress"])
-            .env_remove("RANK")
-            .envs(common::simulated_gpu_env(2))
-            .env("FERROCCL_NCCL_LIB", &lib)
-            .output()
-            .unwrap();
+        let out = on_simulated_gpus(
+            name,
+            "--memory cuda -np 2 -b 8 -e 64K -f 8 -n 2 -w 1 --backend both",
+            2,
+            &[("FERROCCL_NCCL_LIB", lib.to_str().expect("a UTF-8 path"))],
+        );
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         assert!(out.status.success(), "{name}:\n{stdout}\n{stderr}");
         assert!(
@@ -362,24 +363,10 @@ fn device_sweeps_name_what_the_machine_lacks() {
         ),
     ];
     for (envs, want) in cases {
-        let out = Command::new(tool("all_reduce_perf"))
-            .args([
-                "--memory",
-                "cuda",
-                "-t",
-                "1",
-                "-b",
-                "8",
-                "-e",
-                "8",
-                "--no-progress",
-            ])
-            .env_remove("RANK")
-            .envs(common::simulated_gpu_env(1))
-            .env("FERROCCL_CACHE_DIR", cache.path())
-            .envs(envs.iter().copied())
-            .output()
-            .unwrap();
+        let mut envs = envs.to_vec();
+        let cache_dir = cache.path().display().to_string();
+        envs.push(("FERROCCL_CACHE_DIR", &cache_dir));
+        let out = on_simulated_gpus("all_reduce_perf", "--memory cuda -t 1 -b 8 -e 8", 1, &envs);
         let stderr = text(&out.stderr);
         assert!(!out.status.success(), "{envs:?}: {stderr}");
         for w in want {
@@ -393,23 +380,12 @@ fn device_sweeps_name_what_the_machine_lacks() {
 /// have a context, and the error says why and what to do.
 #[test]
 fn one_gpu_in_exclusive_process_mode_refuses_a_second_process_clearly() {
-    let out = Command::new(tool("all_reduce_perf"))
-        .args([
-            "--memory",
-            "cuda",
-            "-np",
-            "2",
-            "-b",
-            "8",
-            "-e",
-            "8",
-            "--no-progress",
-        ])
-        .env_remove("RANK")
-        .envs(common::simulated_gpu_env(1))
-        .env("FERROCCL_SIM_COMPUTE_MODE", "exclusive-process")
-        .output()
-        .unwrap();
+    let out = on_simulated_gpus(
+        "all_reduce_perf",
+        "--memory cuda -np 2 -b 8 -e 8",
+        1,
+        &[("FERROCCL_SIM_COMPUTE_MODE", "exclusive-process")],
+    );
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
