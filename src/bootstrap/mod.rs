@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use launch_env::{DEFAULT_MASTER_PORT, LaunchEnv, Launcher};
-pub use peer::{PeerInfo, boot_id, host_id, hostname};
+pub use peer::{PeerInfo, boot_id, host_hash_of, host_id, hostname};
 pub use unique_id::{UNIQUE_ID_BYTES, UniqueId};
 
 use crate::error::{Error, Result};

@@ -43,9 +43,7 @@ impl PeerInfo {
 
     /// A 64-bit hash of [`PeerInfo::host_id`] (FNV-1a), cheap to compare.
     pub fn host_hash(&self) -> u64 {
-        self.host_id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
+        host_hash_of(&self.host_id)
     }
 
     /// Encodes the facts for the store.
@@ -135,6 +133,13 @@ pub fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
+}
+
+/// A 64-bit hash (FNV-1a) of a host identity as [`host_id`] gives it.
+pub fn host_hash_of(host_id: &str) -> u64 {
+    host_id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// What identifies this host: `FERROCCL_HOSTID` if set (to split one machine into

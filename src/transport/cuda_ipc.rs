@@ -161,11 +161,10 @@ pub struct Sender {
 impl Sender {
     /// This process on `device`.
     pub fn here(device: usize) -> Self {
-        let host = crate::bootstrap::host_id()
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            });
+        // The host's identity reads files: once per process.
+        static HOST: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let host =
+            *HOST.get_or_init(|| crate::bootstrap::host_hash_of(&crate::bootstrap::host_id()));
         Sender {
             process: process_token(),
             host,
