@@ -579,4 +579,46 @@ fn topo_names_the_cuda_driver_it_sees() {
         text.contains("CUDA driver: none") && text.contains("FERROCCL_CUDA_DRIVER=/nonexistent"),
         "{text}"
     );
+    // A driver without an entry point ferroccl needs (too old), and a library ferroccl
+    // cannot tell from a real driver where the variable names only the simulated one.
+    for (hidden, want) in [
+        (
+            "cuPointerGetAttribute",
+            "has no cuPointerGetAttribute: it is too old",
+        ),
+        (
+            "ferroccl_simcuda_describe",
+            "is not ferroccl's simulated driver",
+        ),
+    ] {
+        let out = Command::new(TOPO)
+            .envs(common::simulated_gpu_env(1))
+            .env(
+                "FERROCCL_CUDA_DRIVER",
+                common::simulated_driver_without(&[hidden]),
+            )
+            .output()
+            .unwrap();
+        let text = stdout(&out);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            text.contains("CUDA driver: none") && text.contains(want),
+            "without {hidden}: {text}"
+        );
+    }
+    // No driver at all (where this machine has none).
+    // SAFETY: probing for NVIDIA's driver by its soname; its initialisers have no
+    // preconditions.
+    if unsafe { libloading::Library::new("libcuda.so.1") }.is_err() {
+        let none = Command::new(TOPO)
+            .env_remove("FERROCCL_CUDA_DRIVER")
+            .output()
+            .unwrap();
+        let text = stdout(&none);
+        assert!(
+            text.contains("CUDA driver: none")
+                && text.contains("no CUDA driver: libcuda.so.1 could not be loaded"),
+            "{text}"
+        );
+    }
 }

@@ -82,6 +82,81 @@ fn every_kernel_compiles_for_sm80_and_sm90_with_no_spills_within_the_register_bu
     assert!(std::sync::Arc::ptr_eq(&a, &b));
 }
 
+/// A source NVRTC rejects: the error names the source and the architecture and carries
+/// NVRTC's log (the line and what is wrong), never a panic.
+#[test]
+fn a_kernel_that_does_not_compile_is_an_error_with_nvrtcs_log() {
+    common::nvrtc_from_pypi();
+    let broken = nvrtc::KernelSource {
+        name: "broken.cu",
+        text: "extern \"C\" __global__ void f() { this_is_not_declared = 1; }\n",
+        entries: &["f"],
+    };
+    let err = nvrtc::compile(&broken, (9, 0)).unwrap_err().to_string();
+    assert!(
+        err.contains("broken.cu for sm_90")
+            && err.contains("nvrtcCompileProgram failed")
+            && err.contains("this_is_not_declared"),
+        "{err}"
+    );
+}
+
+/// The cubin cache on disk: concurrent callers on an empty cache get one image (the
+/// others wait for the first one's file); a cache that cannot be used (its directory
+/// under a file, its lock or its log path taken by a directory) or no cache at all
+/// costs a compile, never an error.
+#[test]
+fn the_disk_cache_is_shared_by_concurrent_callers_and_a_broken_one_only_costs_a_compile() {
+    common::nvrtc_from_pypi();
+    let version = nvrtc::compiler()
+        .expect("NVRTC loads from the wheel")
+        .version;
+    let (source, arch) = (nvrtc::REDUCE, (9, 0));
+    let name = nvrtc::cache_name(&source, arch, version);
+    let dir = tempfile::tempdir().unwrap();
+
+    let shared = dir.path().join("shared");
+    let images: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let running: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| nvrtc::cubin_cached_in(Some(&shared), &source, arch).unwrap()))
+            .collect();
+        running
+            .into_iter()
+            .map(|r| r.join().unwrap().image)
+            .collect()
+    });
+    assert!(images[0].starts_with(b"\x7fELF"));
+    assert_eq!(
+        images[0], images[1],
+        "both callers get the one cached image"
+    );
+    assert_eq!(std::fs::read(shared.join(&name)).unwrap(), images[0]);
+
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let lock_taken = dir.path().join("lock-taken");
+    std::fs::create_dir_all(lock_taken.join(&name).with_extension("lock")).unwrap();
+    let log_taken = dir.path().join("log-taken");
+    std::fs::create_dir_all(log_taken.join(&name).with_extension("log")).unwrap();
+    for unusable in [
+        Some(file.join("cache")),
+        Some(lock_taken),
+        Some(log_taken.clone()),
+        None,
+    ] {
+        let cubin = nvrtc::cubin_cached_in(unusable.as_deref(), &source, arch)
+            .unwrap_or_else(|e| panic!("{unusable:?}: {e}"));
+        assert_eq!(
+            cubin.image, images[0],
+            "{unusable:?}: the same image, compiled"
+        );
+    }
+    assert!(
+        !log_taken.join(&name).exists(),
+        "an image whose log could not be written is not cached"
+    );
+}
+
 // ----- the host build of the kernels ------------------------------------------------
 
 /// `kernels/host/entry.cpp` built as a shared library, once per test process.

@@ -46,17 +46,59 @@ fn run(name: &str, args: &str) -> Output {
 }
 
 /// Runs tool `name` with `args` on the simulated CUDA driver with `gpus` GPUs and more
-/// environment `envs`.
+/// environment `envs`; a run that outlives [`DEVICE_RUN_LIMIT`] is killed (with the rank
+/// processes it started) and fails the test, so a hang cannot stall the test run.
 fn on_simulated_gpus(name: &str, args: &str, gpus: usize, envs: &[(&str, &str)]) -> Output {
-    Command::new(tool(name))
+    use std::os::unix::process::CommandExt;
+    let mut child = Command::new(tool(name))
         .args(args.split_whitespace())
         .arg("--no-progress")
         .env_remove("RANK")
         .envs(common::simulated_gpu_env(gpus))
         .envs(envs.iter().copied())
-        .output()
-        .unwrap()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    // Read both pipes while waiting, so that a chatty run cannot block on a full pipe.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut p) = pipe {
+                std::io::Read::read_to_end(&mut p, &mut bytes).ok();
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEVICE_RUN_LIMIT {
+            // SAFETY: signals the process group this test started.
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            child.wait().unwrap();
+            panic!(
+                "{name} {args} {envs:?} hung ({DEVICE_RUN_LIMIT:?}):\n{}\n{}",
+                text(&stdout.join().unwrap()),
+                text(&stderr.join().unwrap())
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
 }
+
+/// How long one device run may take before the test calls it a hang.
+const DEVICE_RUN_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -348,7 +390,7 @@ fn device_sweeps_name_what_the_machine_lacks() {
         &'static [(&'static str, &'static str)],
         &'static [&'static str],
     );
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         (
             &[("FERROCCL_SIM_DRIVER_VERSION", "12080")],
             &["NVRTC 13.", "CUDA 12.8", "update the NVIDIA driver"],
@@ -360,6 +402,13 @@ fn device_sweeps_name_what_the_machine_lacks() {
         (
             &[("FERROCCL_NVRTC", "/nonexistent/nvrtc/lib")],
             &["FERROCCL_NVRTC=/nonexistent/nvrtc/lib"],
+        ),
+        (
+            &[("FERROCCL_NVRTC", "")],
+            &[
+                "NVRTC (libnvrtc.so.13) could not be loaded",
+                "nvidia-cuda-nvrtc",
+            ],
         ),
     ];
     for (envs, want) in cases {
@@ -373,6 +422,86 @@ fn device_sweeps_name_what_the_machine_lacks() {
             assert!(stderr.contains(w), "{envs:?}: no {w:?} in:\n{stderr}");
         }
         assert!(!stderr.contains("panicked"), "{envs:?}: {stderr}");
+    }
+}
+
+/// A driver without an entry point of ferroccl's device path (older than ferroccl
+/// needs): the error names the missing call before any device work starts.
+#[test]
+fn a_driver_missing_a_device_path_call_is_named() {
+    let lib = common::simulated_driver_without(&["cuIpcGetMemHandle"]);
+    let lib = lib.to_str().expect("a UTF-8 path");
+    let out = on_simulated_gpus(
+        "all_reduce_perf",
+        "--memory cuda -t 1 -b 8 -e 8",
+        1,
+        &[("FERROCCL_CUDA_DRIVER", lib)],
+    );
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("has no cuIpcGetMemHandle") && stderr.contains("too old"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// The device-call fault matrix: each driver call of the device path fails in turn (the
+/// simulated driver's `FERROCCL_SIM_FAIL`), on the machine shapes that make it: rank
+/// processes on GPUs of their own (CUDA IPC), rank threads on two GPUs (peer access), and
+/// two GPUs without P2P (page-locked host memory registered with the driver). Every run
+/// fails within the limit with an error naming the call, never a panic or a hang.
+#[test]
+fn every_failing_driver_call_is_named_and_nothing_hangs() {
+    let processes = "--memory cuda -np 2 -b 8 -e 64K -f 64 -n 1 -w 1";
+    let threads = "--memory cuda -t 2 -b 8 -e 64K -f 64 -n 1 -w 1";
+    // (the call that fails, the tool's arguments, the simulated machine's settings)
+    type Case = (&'static str, &'static str, &'static [(&'static str, &'static str)]);
+    let cases: &[Case] = &[
+        ("cuDeviceGetAttribute", processes, &[]),
+        ("cuDevicePrimaryCtxRetain", processes, &[]),
+        ("cuCtxPushCurrent_v2", processes, &[]),
+        ("cuStreamCreate", processes, &[]),
+        ("cuStreamGetCtx", processes, &[]),
+        ("cuStreamIsCapturing", processes, &[]),
+        ("cuMemAlloc_v2", processes, &[]),
+        ("cuMemsetD8Async", processes, &[]),
+        ("cuMemHostAlloc", processes, &[]),
+        ("cuMemHostGetDevicePointer_v2", processes, &[]),
+        ("cuMemcpyHtoDAsync_v2", processes, &[]),
+        ("cuIpcGetMemHandle", processes, &[]),
+        ("cuIpcOpenMemHandle_v2", processes, &[]),
+        ("cuModuleLoadData", processes, &[]),
+        ("cuModuleGetFunction", processes, &[]),
+        ("cuLaunchKernel", processes, &[]),
+        ("cuEventCreate", processes, &[]),
+        ("cuEventRecord", processes, &[]),
+        ("cuEventQuery", processes, &[]),
+        ("cuDeviceCanAccessPeer", threads, &[]),
+        ("cuCtxEnablePeerAccess", threads, &[]),
+        (
+            "cuMemHostRegister_v2",
+            processes,
+            &[("FERROCCL_SIM_P2P", "none")],
+        ),
+    ];
+    for (call, args, extra) in cases {
+        let mut envs = extra.to_vec();
+        envs.push(("FERROCCL_SIM_FAIL", call));
+        envs.push(("FERROCCL_TIMEOUT", "30"));
+        let started = std::time::Instant::now();
+        let out = on_simulated_gpus("all_reduce_perf", args, 2, &envs);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        eprintln!("{call}: {:.1} s", started.elapsed().as_secs_f64());
+        assert!(
+            !out.status.success(),
+            "{call} failing, {args}: succeeded:\n{stdout}"
+        );
+        assert!(
+            stderr.contains(call.trim_end_matches("_v2")) && stderr.contains("CUDA_ERROR_UNKNOWN"),
+            "{call} failing, {args}: the error does not name it:\n{stdout}\n{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{call}, {args}:\n{stderr}");
     }
 }
 

@@ -169,8 +169,9 @@ pub unsafe fn read_scalar(ptr: *const c_void, dtype: DataType) -> Result<Scalar,
     if cuda::pointer_kind(ptr) == PointerKind::Device {
         return Err(Failure::new(
             INVALID_USAGE,
-            "the pre-mul-sum scalar is in device memory: the C ABI runs collectives on host \
-             memory only (see the README, \"GPUs\")",
+            "the pre-mul-sum scalar is in device memory: ferroccl reads the scalar on the \
+             host (when the op is made, or at each call for ncclScalarDevice), so it must be \
+             in host memory",
         ));
     }
     // SAFETY: the caller promised one readable element of `dtype`.

@@ -117,9 +117,10 @@ fn load_driver() -> std::result::Result<Driver, String> {
     let simulated = simulated_description(lib);
     if let (Some(path), None) = (&chosen, &simulated) {
         return Err(format!(
-            "{DRIVER_VARIABLE}={} was loaded, but this process uses another CUDA driver \
-             (loaded before ferroccl looked): the simulated driver must be chosen before \
-             anything loads libcuda",
+            "{DRIVER_VARIABLE}={} was loaded, but the CUDA driver this process uses is \
+             not ferroccl's simulated driver (the variable names only that one; a real \
+             driver is found as libcuda.so.1), or another libcuda was loaded before \
+             ferroccl looked",
             std::path::Path::new(path).display()
         ));
     }

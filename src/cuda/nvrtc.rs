@@ -90,7 +90,7 @@ pub fn compiler() -> Result<Compiler> {
 }
 
 fn load() -> std::result::Result<Compiler, String> {
-    if let Some(path) = std::env::var_os("FERROCCL_NVRTC") {
+    if let Some(path) = std::env::var_os("FERROCCL_NVRTC").filter(|p| !p.is_empty()) {
         let mut path = std::path::PathBuf::from(path);
         if path.is_dir() {
             // NVRTC 13 (the wheel torch installs), else 12, else an unversioned name.
@@ -288,7 +288,7 @@ pub fn cubin(source: &KernelSource, arch: (u32, u32)) -> Result<Arc<Cubin>> {
     {
         return Ok(c.clone());
     }
-    let compiled = Arc::new(cached_on_disk(source, arch)?);
+    let compiled = Arc::new(cubin_cached_in(cache_dir().as_deref(), source, arch)?);
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -328,16 +328,24 @@ pub fn cache_name(source: &KernelSource, arch: (u32, u32), version: (i32, i32)) 
     )
 }
 
-fn cached_on_disk(source: &KernelSource, arch: (u32, u32)) -> Result<Cubin> {
+/// The cubin of `source` for `arch` through the disk cache in `dir` (`None`: no cache):
+/// read from it, else compiled and written to it (atomically, under a lock, so that
+/// concurrent processes compile once). A cache that cannot be used costs a compile, never
+/// an error.
+pub fn cubin_cached_in(
+    dir: Option<&Path>,
+    source: &KernelSource,
+    arch: (u32, u32),
+) -> Result<Cubin> {
     let version = compiler()?.version;
-    let Some(dir) = cache_dir() else {
+    let Some(dir) = dir else {
         return compile(source, arch);
     };
     let path = dir.join(cache_name(source, arch, version));
     if let Some(hit) = read_cached(&path, source, arch) {
         return Ok(hit);
     }
-    if let Err(e) = std::fs::create_dir_all(&dir) {
+    if let Err(e) = std::fs::create_dir_all(dir) {
         tracing::warn!("cubin cache {}: {e}; compiling without it", dir.display());
         return compile(source, arch);
     }

@@ -132,6 +132,115 @@ int main(void) {
   expect_error("deregister twice", ncclCommDeregister(comm, reg), ncclInvalidArgument,
                "not a registration");
 
+  /* NULL out-pointers and values out of range, each named. */
+  expect_error("version NULL", ncclGetVersion(NULL), ncclInvalidArgument, "version is NULL");
+  expect_error("uniqueId NULL", ncclGetUniqueId(NULL), ncclInvalidArgument, "uniqueId is NULL");
+  expect_error("init-all output NULL", ncclCommInitAll(NULL, 1, NULL), ncclInvalidArgument,
+               "output array");
+  expect_error("init-all of 0", ncclCommInitAll(&c2, 0, NULL), ncclInvalidArgument, "ndev 0");
+  expect_error("asyncError NULL", ncclCommGetAsyncError(comm, NULL), ncclInvalidArgument,
+               "asyncError is NULL");
+  expect_error("count NULL", ncclCommCount(comm, NULL), ncclInvalidArgument, "count is NULL");
+  expect_error("rank NULL", ncclCommUserRank(comm, NULL), ncclInvalidArgument, "rank is NULL");
+  expect_error("device NULL", ncclCommCuDevice(comm, NULL), ncclInvalidArgument,
+               "device is NULL");
+  expect_error("split into NULL", ncclCommSplit(comm, 0, 0, NULL, NULL), ncclInvalidArgument,
+               "newcomm is NULL");
+  expect_error("split color -5", ncclCommSplit(comm, -5, 0, &c2, NULL), ncclInvalidArgument,
+               "color -5");
+  CHECK(ncclGroupStart());
+  expect_error("split inside a group", ncclCommSplit(comm, 0, 0, &c2, NULL), ncclInvalidUsage,
+               "inside ncclGroupStart");
+  CHECK(ncclGroupEnd());
+#ifdef FERROCCL_NCCL_H
+  int exclude[1] = {0};
+  expect_error("shrink into NULL", ncclCommShrink(comm, exclude, 0, NULL, NULL, 0),
+               ncclInvalidArgument, "newcomm is NULL");
+  expect_error("shrink count -1", ncclCommShrink(comm, exclude, -1, &c2, NULL, 0),
+               ncclInvalidArgument, "excludeRanksCount -1");
+  expect_error("shrink list NULL", ncclCommShrink(comm, NULL, 1, &c2, NULL, 0),
+               ncclInvalidArgument, "excludeRanksList is NULL");
+  expect_error("shrink flags 4", ncclCommShrink(comm, exclude, 0, &c2, NULL, 4),
+               ncclInvalidArgument, "shrinkFlags 0x4");
+  CHECK(ncclGroupStart());
+  expect_error("shrink inside a group", ncclCommShrink(comm, exclude, 0, &c2, NULL, 0),
+               ncclInvalidUsage, "inside ncclGroupStart");
+  CHECK(ncclGroupEnd());
+#endif
+  void* out_reg;
+  expect_error("register into NULL", ncclCommRegister(comm, a, sizeof a, NULL),
+               ncclInvalidArgument, "handle is NULL");
+  expect_error("register NULL buffer", ncclCommRegister(comm, NULL, 64, &out_reg),
+               ncclInvalidArgument, "buff is NULL for 64 bytes");
+  expect_error("ncclMemAlloc into NULL", ncclMemAlloc(NULL, 64), ncclInvalidArgument,
+               "ptr is NULL");
+  CHECK(ncclMemFree(NULL));
+  expect_error("premulsum into NULL",
+               ncclRedOpCreatePreMulSum(NULL, &two, ncclFloat64, ncclScalarHostImmediate, comm),
+               ncclInvalidArgument, "op is NULL");
+  expect_error("premulsum residence 7",
+               ncclRedOpCreatePreMulSum(&op, &two, ncclFloat64, (ncclScalarResidence_t)7, comm),
+               ncclInvalidArgument, "residence 7");
+  static const char* codes[] = {"no error", "unhandled cuda error", "unhandled system error",
+                                "internal error", "invalid argument", "invalid usage",
+                                "remote process exited", "in progress", "unknown result code"};
+  for (int code = 0; code <= 8; code++) {
+    if (!strstr(ncclGetErrorString((ncclResult_t)code), codes[code])) {
+      failures++;
+      fprintf(stderr, "ncclGetErrorString(%d) is \"%s\"\n", code,
+              ncclGetErrorString((ncclResult_t)code));
+    }
+  }
+
+  /* Configs that are too small or say blocking = 5. */
+  ncclConfig_t small = NCCL_CONFIG_INITIALIZER;
+  small.size = 8;
+  expect_error("config of 8 bytes", ncclCommInitRankConfig(&c2, 1, id, 0, &small),
+               ncclInvalidArgument, "config size 8 is too small");
+  ncclConfig_t five = NCCL_CONFIG_INITIALIZER;
+  five.blocking = 5;
+  expect_error("config.blocking 5", ncclCommInitRankConfig(&c2, 1, id, 0, &five),
+               ncclInvalidArgument, "config.blocking is 5");
+
+  /* A communicator created in a group that fails: its init never runs, and every later
+   * use says why; ncclCommGetAsyncError reports the group's error. */
+  ncclComm_t in_failed_group;
+  CHECK(ncclGetUniqueId(&id));
+  CHECK(ncclGroupStart());
+  CHECK(ncclCommInitRank(&in_failed_group, 1, id, 0));
+  expect_error("a bad call in that group",
+               ncclAllReduce(a, b, 4, (ncclDataType_t)99, ncclSum, in_failed_group, NULL),
+               ncclInvalidArgument, "data type 99");
+  expect_error("destroy before it exists", ncclCommDestroy(in_failed_group), ncclInvalidUsage,
+               "still initialising");
+  ncclResult_t st = ncclSuccess;
+  CHECK(ncclCommGetAsyncError(in_failed_group, &st));
+  if (st != ncclInProgress) {
+    failures++;
+    fprintf(stderr, "a comm of an open group is %d, not in progress\n", (int)st);
+  }
+  expect_error("the group fails", ncclGroupEnd(), ncclInvalidArgument, "data type 99");
+  CHECK(ncclCommGetAsyncError(in_failed_group, &st));
+  if (st == ncclSuccess || st == ncclInProgress) {
+    failures++;
+    fprintf(stderr, "a comm of a failed group reports %d\n", (int)st);
+  }
+  expect_error("use after its group failed",
+               ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, in_failed_group, NULL),
+               ncclInvalidArgument, "initialisation failed");
+  CHECK(ncclCommDestroy(in_failed_group));
+
+  /* After ncclCommFinalize only queries and ncclCommDestroy. */
+  ncclComm_t fin = one_rank_comm();
+  CHECK(ncclCommFinalize(fin));
+  expect_error("a call after finalize",
+               ncclAllReduce(a, b, 4, ncclFloat32, ncclSum, fin, NULL), ncclInvalidUsage,
+               "finalized");
+  int n = 0;
+  CHECK(ncclCommCount(fin, &n));
+  if (n != 1) failures++;
+  CHECK(ncclCommDestroy(fin));
+
   /* Non-blocking init: ncclInProgress, then poll until done. */
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;

@@ -175,6 +175,15 @@ static int run_one(ncclComm_t comm, void* stream, int coll, ncclDataType_t type,
   return wrong;
 }
 
+/* 1 (and says why) unless `got` is `want` with a last error that contains `needle`. */
+static int refused(const char* what, ncclResult_t got, ncclResult_t want, const char* needle) {
+  const char* msg = ncclGetLastError(NULL);
+  if (got == want && strstr(msg, needle)) return 0;
+  fprintf(stderr, "%s: got %d (%s), want %d with \"%s\"\n", what, (int)got, msg, (int)want,
+          needle);
+  return 1;
+}
+
 static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
   const ncclDataType_t types[] = {ncclInt8, ncclInt32, ncclFloat32, ncclFloat64};
   const size_t counts[] = {0, 1, 1001, 65537};
@@ -184,6 +193,36 @@ static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
       for (int coll = 0; coll < NCOLL; coll++)
         for (int in_place = 0; in_place < 2; in_place++, calls++)
           wrong += run_one(comm, stream, coll, types[t], counts[c], in_place, rank, nranks);
+
+  /* Misuse on device memory, each refused with its reason before anything runs (every
+   * rank makes the same mistakes, so no peer waits on another). */
+  int misuse = 0;
+  {
+    drv_ptr d = device_alloc(64);
+    int32_t h[16] = {0};
+    misuse += refused("host and device buffers in one call",
+                      ncclAllReduce((void*)d, h, 16, ncclInt32, ncclSum, comm, stream),
+                      ncclInvalidArgument, "is host memory while the other buffer is CUDA device");
+    ncclRedOp_t op;
+    misuse += refused("a pre-mul-sum scalar in device memory",
+                      ncclRedOpCreatePreMulSum(&op, (void*)d, ncclInt32, ncclScalarDevice, comm),
+                      ncclInvalidUsage, "scalar is in device memory");
+    CHECK(ncclGroupStart());
+    CHECK(ncclAllReduce((void*)d, (void*)d, 16, ncclInt32, ncclSum, comm, stream));
+    CHECK(ncclAllReduce(h, h, 16, ncclInt32, ncclSum, comm, NULL));
+    misuse += refused("a group mixing device and host calls", ncclGroupEnd(), ncclInvalidUsage,
+                      "must all be on device memory and name the same stream");
+    void* other;
+    DRV(drv_stream_create(&other, 1));
+    CHECK(ncclGroupStart());
+    CHECK(ncclAllReduce((void*)d, (void*)d, 16, ncclInt32, ncclSum, comm, stream));
+    CHECK(ncclAllReduce((void*)d, (void*)d, 16, ncclInt32, ncclSum, comm, other));
+    misuse += refused("a group on two streams", ncclGroupEnd(), ncclInvalidUsage,
+                      "name the same stream");
+    DRV(drv_stream_destroy(other));
+    DRV(drv_free(d));
+  }
+  if (misuse) exit(1);
 
   /* A group of two all-reduces on device memory: one fused launch. */
   size_t n = 4099;
@@ -239,7 +278,7 @@ static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
     fprintf(stderr, "rank %d: %d wrong elements\n", rank, wrong);
     exit(1);
   }
-  printf("OK %d device calls checked, a group of 2, ncclMemAlloc\n", calls + 2);
+  printf("OK %d device calls checked, a group of 2, ncclMemAlloc, 4 misuses refused\n", calls + 2);
   return 0;
 }
 

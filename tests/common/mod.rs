@@ -270,6 +270,14 @@ pub fn element_bytes(dtype: ferroccl::DataType, seed: u64, out: &mut [u8]) {
 /// `kernels/*.cu`), built with the C++ compiler once per version of its sources (under
 /// `target/simcuda/`, written atomically so that concurrent test processes share it).
 pub fn simulated_driver() -> std::path::PathBuf {
+    simulated_driver_without(&[])
+}
+
+/// The simulated driver without the exported symbols `hidden` (a linker version script
+/// makes them local): a driver too old for ferroccl (a driver-API entry point missing),
+/// or, without `ferroccl_simcuda_describe`, a library ferroccl cannot tell from a real
+/// driver.
+pub fn simulated_driver_without(hidden: &[&str]) -> std::path::PathBuf {
     use sha2::Digest;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let sources = [
@@ -283,6 +291,10 @@ pub fn simulated_driver() -> std::path::PathBuf {
     for s in sources {
         hash.update(std::fs::read(root.join(s)).expect("read the simulated driver's sources"));
     }
+    for h in hidden {
+        hash.update(h.as_bytes());
+        hash.update([0]);
+    }
     let digest: String = hash.finalize()[..8]
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -294,17 +306,23 @@ pub fn simulated_driver() -> std::path::PathBuf {
     }
     std::fs::create_dir_all(&dir).expect("make target/simcuda");
     let tmp = dir.join(format!("libcuda.so.1.tmp{}", std::process::id()));
-    build_host_cxx(
-        &root.join(sources[0]),
-        &tmp,
-        &[
-            "-Wno-missing-field-initializers",
-            "-fvisibility=hidden",
-            // cudarc asks for "libcuda.so" first: glibc gives the already-loaded library
-            // whose SONAME is the name asked for.
-            "-Wl,-soname,libcuda.so",
-        ],
-    );
+    let script = dir.join(format!("exports.tmp{}", std::process::id()));
+    let mut flags = vec![
+        "-Wno-missing-field-initializers".to_string(),
+        "-fvisibility=hidden".into(),
+        // cudarc asks for "libcuda.so" first: glibc gives the already-loaded library
+        // whose SONAME is the name asked for.
+        "-Wl,-soname,libcuda.so".into(),
+    ];
+    if !hidden.is_empty() {
+        let locals: String = hidden.iter().map(|h| format!("{h}; ")).collect();
+        std::fs::write(&script, format!("{{ global: *; local: {locals}}};\n"))
+            .expect("write the export list");
+        flags.push(format!("-Wl,--version-script={}", script.display()));
+    }
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    build_host_cxx(&root.join(sources[0]), &tmp, &flags);
+    std::fs::remove_file(&script).ok();
     std::fs::rename(&tmp, &lib).expect("put the simulated driver in place");
     lib
 }

@@ -21,6 +21,7 @@
 //   checked: live, inside its allocation, and reachable from the launching device (its
 //   own memory, host-mapped memory, IPC mappings, or a peer's with peer access enabled).
 //   A bad one is a sticky CUDA_ERROR_ILLEGAL_ADDRESS on the context, named on stderr.
+// - Faults: FERROCCL_SIM_FAIL names driver calls that fail (CUDA_ERROR_UNKNOWN).
 #include "../../kernels/host/shim.h"
 
 #include "../../kernels/executor.cu"
@@ -666,6 +667,25 @@ void run_grid(GridRun& g) {
 
 // ----- checks every call makes -----------------------------------------------------------
 
+// FERROCCL_SIM_FAIL=cuA,cuB: every call of the driver entry points named fails with
+// CUDA_ERROR_UNKNOWN before doing anything, as a driver call can fail on a real machine
+// (a lost device, an out-of-resources the simulation does not model); the tests use it
+// to see that ferroccl names the call and cleans up.
+bool injected_failure(const char* call) {
+  static const std::string failing = [] {
+    const char* v = getenv("FERROCCL_SIM_FAIL");
+    return v ? "," + std::string(v) + "," : std::string();
+  }();
+  if (failing.empty() || failing.find("," + std::string(call) + ",") == std::string::npos) return false;
+  if (config.verbose) say("%s fails as FERROCCL_SIM_FAIL asks", call);
+  return true;
+}
+
+#define FAULT_POINT()                                      \
+  do {                                                     \
+    if (injected_failure(__func__)) return CUDA_ERROR_UNKNOWN; \
+  } while (0)
+
 #define CHECK_INIT()                                          \
   do {                                                        \
     if (!initialised.load()) return CUDA_ERROR_NOT_INITIALIZED; \
@@ -831,6 +851,7 @@ SIM_API void ferroccl_simcuda_live(uint64_t out[7]) {
 }
 
 SIM_API CUresult cuGetErrorString(CUresult rc, const char** out) {
+  FAULT_POINT();
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   *out = error_name(rc);
   return *out ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -839,6 +860,7 @@ SIM_API CUresult cuGetErrorString(CUresult rc, const char** out) {
 SIM_API CUresult cuGetErrorName(CUresult rc, const char** out) { return cuGetErrorString(rc, out); }
 
 SIM_API CUresult cuInit(unsigned flags) {
+  FAULT_POINT();
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   static std::once_flag once;
   std::call_once(once, [] {
@@ -856,6 +878,7 @@ SIM_API CUresult cuInit(unsigned flags) {
 }
 
 SIM_API CUresult cuDriverGetVersion(int* v) {
+  FAULT_POINT();
   if (!v) return CUDA_ERROR_INVALID_VALUE;
   Config c;
   c.load();
@@ -864,6 +887,7 @@ SIM_API CUresult cuDriverGetVersion(int* v) {
 }
 
 SIM_API CUresult cuDeviceGetCount(int* n) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!n) return CUDA_ERROR_INVALID_VALUE;
   *n = config.devices;
@@ -871,6 +895,7 @@ SIM_API CUresult cuDeviceGetCount(int* n) {
 }
 
 SIM_API CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!dev) return CUDA_ERROR_INVALID_VALUE;
   if (ordinal < 0 || ordinal >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -879,6 +904,7 @@ SIM_API CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
 }
 
 SIM_API CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!v) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -914,6 +940,7 @@ SIM_API CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice dev) {
 }
 
 SIM_API CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -922,6 +949,7 @@ SIM_API CUresult cuDeviceGetName(char* name, int len, CUdevice dev) {
 }
 
 SIM_API CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!uuid) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -934,6 +962,7 @@ SIM_API CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
 SIM_API CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev) { return cuDeviceGetUuid(uuid, dev); }
 
 SIM_API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!bytes) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -942,6 +971,7 @@ SIM_API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice dev) {
 }
 
 SIM_API CUresult cuDeviceGetPCIBusId(char* out, int len, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!out || len <= 0) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -950,6 +980,7 @@ SIM_API CUresult cuDeviceGetPCIBusId(char* out, int len, CUdevice dev) {
 }
 
 SIM_API CUresult cuDeviceCanAccessPeer(int* can, CUdevice a, CUdevice b) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!can) return CUDA_ERROR_INVALID_VALUE;
   if (a < 0 || a >= config.devices || b < 0 || b >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -958,6 +989,7 @@ SIM_API CUresult cuDeviceCanAccessPeer(int* can, CUdevice a, CUdevice b) {
 }
 
 SIM_API CUresult cuDeviceGetP2PAttribute(int* v, int attribute, CUdevice a, CUdevice b) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!v) return CUDA_ERROR_INVALID_VALUE;
   if (a < 0 || a >= config.devices || b < 0 || b >= config.devices || a == b) return CUDA_ERROR_INVALID_DEVICE;
@@ -974,6 +1006,7 @@ SIM_API CUresult cuDeviceGetP2PAttribute(int* v, int attribute, CUdevice a, CUde
 // ----- contexts --------------------------------------------------------------------------
 
 SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext* out, CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
@@ -1003,6 +1036,7 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext* out, CUdevice dev) {
 }
 
 SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  FAULT_POINT();
   CHECK_INIT();
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
   std::lock_guard<std::mutex> g(mu);
@@ -1016,6 +1050,7 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
 SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
 
 SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned* flags, int* active) {
+  FAULT_POINT();
   CHECK_INIT();
   if (dev < 0 || dev >= config.devices) return CUDA_ERROR_INVALID_DEVICE;
   std::lock_guard<std::mutex> g(mu);
@@ -1025,6 +1060,7 @@ SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned* flags, int* 
 }
 
 SIM_API CUresult cuCtxGetCurrent(CUcontext* out) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   *out = current.empty() ? nullptr : current.back();
@@ -1032,6 +1068,7 @@ SIM_API CUresult cuCtxGetCurrent(CUcontext* out) {
 }
 
 SIM_API CUresult cuCtxSetCurrent(CUcontext c) {
+  FAULT_POINT();
   CHECK_INIT();
   if (c) {
     std::lock_guard<std::mutex> g(mu);
@@ -1050,6 +1087,7 @@ SIM_API CUresult cuCtxSetCurrent(CUcontext c) {
 }
 
 SIM_API CUresult cuCtxPushCurrent_v2(CUcontext c) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   bool known = false;
@@ -1060,6 +1098,7 @@ SIM_API CUresult cuCtxPushCurrent_v2(CUcontext c) {
 }
 
 SIM_API CUresult cuCtxPopCurrent_v2(CUcontext* out) {
+  FAULT_POINT();
   CHECK_INIT();
   if (current.empty()) return CUDA_ERROR_INVALID_CONTEXT;
   if (out) *out = current.back();
@@ -1068,6 +1107,7 @@ SIM_API CUresult cuCtxPopCurrent_v2(CUcontext* out) {
 }
 
 SIM_API CUresult cuCtxGetDevice(CUdevice* dev) {
+  FAULT_POINT();
   if (!dev) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1077,6 +1117,7 @@ SIM_API CUresult cuCtxGetDevice(CUdevice* dev) {
 }
 
 SIM_API CUresult cuCtxSynchronize() {
+  FAULT_POINT();
   std::unique_lock<std::mutex> lock(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1089,6 +1130,7 @@ SIM_API CUresult cuCtxSynchronize() {
 }
 
 SIM_API CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
+  FAULT_POINT();
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1103,6 +1145,7 @@ SIM_API CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
 }
 
 SIM_API CUresult cuCtxDisablePeerAccess(CUcontext peer) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1113,6 +1156,7 @@ SIM_API CUresult cuCtxDisablePeerAccess(CUcontext peer) {
 // ----- memory ----------------------------------------------------------------------------
 
 SIM_API CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t bytes) {
+  FAULT_POINT();
   if (!out || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1143,6 +1187,7 @@ SIM_API CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t bytes) {
 // cuMemFree synchronises with the device's work first, as the real driver does: the
 // memory may be in use by a kernel queued before the call.
 SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
+  FAULT_POINT();
   std::unique_lock<std::mutex> lock(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1178,6 +1223,7 @@ SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 SIM_API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1187,6 +1233,7 @@ SIM_API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 }
 
 SIM_API CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned flags) {
+  FAULT_POINT();
   if (!out || bytes == 0 || (flags & ~0x7u)) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1204,6 +1251,7 @@ SIM_API CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned flags) {
 SIM_API CUresult cuMemAllocHost_v2(void** out, size_t bytes) { return cuMemHostAlloc(out, bytes, 0); }
 
 SIM_API CUresult cuMemFreeHost(void* p) {
+  FAULT_POINT();
   std::unique_lock<std::mutex> lock(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1220,6 +1268,7 @@ SIM_API CUresult cuMemFreeHost(void* p) {
 
 // Registers someone else's mapping as page-locked (unregistering leaves it mapped).
 SIM_API CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
+  FAULT_POINT();
   if (!p || bytes == 0 || (flags & ~0xfu)) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1240,6 +1289,7 @@ SIM_API CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned flags) {
 }
 
 SIM_API CUresult cuMemHostUnregister(void* p) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1253,6 +1303,7 @@ SIM_API CUresult cuMemHostUnregister(void* p) {
 }
 
 SIM_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* out, void* p, unsigned flags) {
+  FAULT_POINT();
   if (!out || flags != 0) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1268,6 +1319,7 @@ SIM_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* out, void* p, unsigne
 }
 
 SIM_API CUresult cuPointerGetAttribute(void* data, int attribute, CUdeviceptr p) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!data) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
@@ -1307,6 +1359,7 @@ static_assert(sizeof(IpcHandle) <= 64, "an IPC handle is 64 bytes");
 using namespace sim;
 
 SIM_API CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr p) {
+  FAULT_POINT();
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1334,6 +1387,7 @@ SIM_API CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr p) {
 }
 
 SIM_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle handle, unsigned flags) {
+  FAULT_POINT();
   if (!out || (flags & ~1u)) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1365,6 +1419,7 @@ SIM_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle handle, 
 }
 
 SIM_API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1382,6 +1437,7 @@ SIM_API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 // ----- streams ---------------------------------------------------------------------------
 
 SIM_API CUresult cuStreamCreate(CUstream* out, unsigned flags) {
+  FAULT_POINT();
   if (!out || flags > 1) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1396,11 +1452,13 @@ SIM_API CUresult cuStreamCreate(CUstream* out, unsigned flags) {
 SIM_API CUresult cuStreamCreateWithPriority(CUstream* out, unsigned flags, int) { return cuStreamCreate(out, flags); }
 
 SIM_API CUresult cuStreamGetPriority(CUstream, int* p) {
+  FAULT_POINT();
   if (p) *p = 0;
   return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  FAULT_POINT();
   if (least) *least = 0;
   if (greatest) *greatest = 0;
   return CUDA_SUCCESS;
@@ -1409,6 +1467,7 @@ SIM_API CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 // The stream's worker drains what was queued, then the stream is gone (its handle is
 // refused from now on), as with the real driver.
 SIM_API CUresult cuStreamDestroy_v2(CUstream s) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1417,6 +1476,7 @@ SIM_API CUresult cuStreamDestroy_v2(CUstream s) {
 }
 
 SIM_API CUresult cuStreamGetCtx(CUstream h, CUcontext* out) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!out) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
@@ -1431,6 +1491,7 @@ SIM_API CUresult cuStreamGetCtx(CUstream h, CUcontext* out) {
 }
 
 SIM_API CUresult cuStreamGetFlags(CUstream h, unsigned* flags) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   if (!flags) return CUDA_ERROR_INVALID_VALUE;
@@ -1460,6 +1521,7 @@ CUresult any_stream(CUstream h, Stream** out) {
 using namespace sim;
 
 SIM_API CUresult cuStreamSynchronize(CUstream h) {
+  FAULT_POINT();
   CHECK_INIT();
   std::unique_lock<std::mutex> lock(mu);
   Stream* s;
@@ -1470,6 +1532,7 @@ SIM_API CUresult cuStreamSynchronize(CUstream h) {
 }
 
 SIM_API CUresult cuStreamQuery(CUstream h) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   Stream* s;
@@ -1479,6 +1542,7 @@ SIM_API CUresult cuStreamQuery(CUstream h) {
 }
 
 SIM_API CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned flags) {
+  FAULT_POINT();
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1493,6 +1557,7 @@ SIM_API CUresult cuStreamWaitEvent(CUstream h, CUevent e, unsigned flags) {
 }
 
 SIM_API CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  FAULT_POINT();
   if (flags > 3) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1517,10 +1582,12 @@ SIM_API CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, uint32_t v
 }
 
 SIM_API CUresult cuStreamWaitValue32(CUstream h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  FAULT_POINT();
   return cuStreamWaitValue32_v2(h, addr, value, flags);
 }
 
 SIM_API CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned flags) {
+  FAULT_POINT();
   if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1534,6 +1601,7 @@ SIM_API CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, uint32_t 
 }
 
 SIM_API CUresult cuStreamBeginCapture_v2(CUstream h, int) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1547,6 +1615,7 @@ SIM_API CUresult cuStreamBeginCapture_v2(CUstream h, int) {
 // Ends a capture into which nothing was queued (the simulated driver has no graphs: work
 // queued while capturing is refused), giving no graph.
 SIM_API CUresult cuStreamEndCapture(CUstream h, void** graph) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   if (!streams.count(h) || !h->capturing) return CUDA_ERROR_ILLEGAL_STATE;
   h->capturing = false;
@@ -1555,6 +1624,7 @@ SIM_API CUresult cuStreamEndCapture(CUstream h, void** graph) {
 }
 
 SIM_API CUresult cuStreamIsCapturing(CUstream h, int* status) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!status) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
@@ -1570,6 +1640,7 @@ SIM_API CUresult cuStreamIsCapturing(CUstream h, int* status) {
 // ----- events ----------------------------------------------------------------------------
 
 SIM_API CUresult cuEventCreate(CUevent* out, unsigned flags) {
+  FAULT_POINT();
   if (!out || flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1581,6 +1652,7 @@ SIM_API CUresult cuEventCreate(CUevent* out, unsigned flags) {
 }
 
 SIM_API CUresult cuEventRecord(CUevent e, CUstream h) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
@@ -1603,6 +1675,7 @@ SIM_API CUresult cuEventRecord(CUevent e, CUstream h) {
 SIM_API CUresult cuEventRecordWithFlags(CUevent e, CUstream h, unsigned) { return cuEventRecord(e, h); }
 
 SIM_API CUresult cuEventQuery(CUevent e) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   if (!events.count(e)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1611,6 +1684,7 @@ SIM_API CUresult cuEventQuery(CUevent e) {
 }
 
 SIM_API CUresult cuEventSynchronize(CUevent e) {
+  FAULT_POINT();
   CHECK_INIT();
   std::unique_lock<std::mutex> lock(mu);
   if (!events.count(e)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1620,12 +1694,14 @@ SIM_API CUresult cuEventSynchronize(CUevent e) {
 }
 
 SIM_API CUresult cuEventElapsedTime(float* ms, CUevent, CUevent) {
+  FAULT_POINT();
   if (ms) *ms = 0;
   say("cuEventElapsedTime: the simulated driver keeps no device time");
   return CUDA_ERROR_NOT_SUPPORTED;
 }
 
 SIM_API CUresult cuEventDestroy_v2(CUevent e) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   if (!events.erase(e)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1673,33 +1749,42 @@ CUresult copy(CUstream h, void* dst, const void* src, size_t n, bool dst_dev, bo
 using namespace sim;
 
 SIM_API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* h, size_t n) {
+  FAULT_POINT();
   return copy(nullptr, (void*)(uintptr_t)d, h, n, true, false, true, "cuMemcpyHtoD");
 }
 SIM_API CUresult cuMemcpyDtoH_v2(void* h, CUdeviceptr d, size_t n) {
+  FAULT_POINT();
   return copy(nullptr, h, (void*)(uintptr_t)d, n, false, true, true, "cuMemcpyDtoH");
 }
 SIM_API CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) {
+  FAULT_POINT();
   return copy(nullptr, (void*)(uintptr_t)d, (void*)(uintptr_t)s, n, true, true, true, "cuMemcpyDtoD");
 }
 SIM_API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* h, size_t n, CUstream s) {
+  FAULT_POINT();
   return copy(s, (void*)(uintptr_t)d, h, n, true, false, false, "cuMemcpyHtoDAsync");
 }
 SIM_API CUresult cuMemcpyDtoHAsync_v2(void* h, CUdeviceptr d, size_t n, CUstream s) {
+  FAULT_POINT();
   return copy(s, h, (void*)(uintptr_t)d, n, false, true, false, "cuMemcpyDtoHAsync");
 }
 SIM_API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s) {
+  FAULT_POINT();
   return copy(s, (void*)(uintptr_t)d, (void*)(uintptr_t)src, n, true, true, false, "cuMemcpyDtoDAsync");
 }
 SIM_API CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
+  FAULT_POINT();
   return copy(nullptr, (void*)(uintptr_t)d, nullptr, n, true, false, true, "cuMemsetD8", v);
 }
 SIM_API CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) {
+  FAULT_POINT();
   return copy(s, (void*)(uintptr_t)d, nullptr, n, true, false, false, "cuMemsetD8Async", v);
 }
 
 // ----- modules and launches ---------------------------------------------------------------
 
 SIM_API CUresult cuModuleLoadData(CUmodule* out, const void* image) {
+  FAULT_POINT();
   if (!out || !image) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1726,6 +1811,7 @@ SIM_API CUresult cuModuleLoadData(CUmodule* out, const void* image) {
 }
 
 SIM_API CUresult cuModuleUnload(CUmodule m) {
+  FAULT_POINT();
   CHECK_INIT();
   std::lock_guard<std::mutex> g(mu);
   if (!modules.erase(m)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1738,6 +1824,7 @@ SIM_API CUresult cuModuleUnload(CUmodule m) {
 }
 
 SIM_API CUresult cuModuleGetFunction(CUfunction* out, CUmodule m, const char* name) {
+  FAULT_POINT();
   if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
@@ -1758,6 +1845,7 @@ SIM_API CUresult cuModuleGetFunction(CUfunction* out, CUmodule m, const char* na
 }
 
 SIM_API CUresult cuFuncGetAttribute(int* v, int attribute, CUfunction f) {
+  FAULT_POINT();
   CHECK_INIT();
   if (!v) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> g(mu);
@@ -1770,6 +1858,7 @@ SIM_API CUresult cuFuncGetAttribute(int* v, int attribute, CUfunction f) {
 
 SIM_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, unsigned shared, CUstream h, void** params, void** extra) {
+  FAULT_POINT();
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
