@@ -303,6 +303,7 @@ fn device_config(protocol: Protocol) -> CommConfig {
 fn config_of(shape: Shape) -> CommConfig {
     CommConfig {
         channels: shape.channels,
+        device_channels: Some(shape.channels),
         protocols: vec![shape.protocol],
         ..CommConfig::default()
     }

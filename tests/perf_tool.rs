@@ -425,6 +425,74 @@ fn device_sweeps_name_what_the_machine_lacks() {
     }
 }
 
+/// The channels of device calls come from the GPUs (the ranks bind their GPU before
+/// they join, as nccl-tests does): the link between them (PCIe P2P, NVLink, none: staged
+/// through host memory, one GPU shared) is named in the header, a GPU with few SMs gets
+/// fewer channels, and `FERROCCL_NCHANNELS` overrides it all; every row is checked.
+#[test]
+fn device_channels_come_from_the_gpus_and_their_link() {
+    // (ranks, GPUs, the simulated machine, the header's channels, the rows' channels)
+    type Case = (
+        &'static str,
+        usize,
+        &'static [(&'static str, &'static str)],
+        &'static str,
+        &'static str,
+    );
+    let cases: [Case; 6] = [
+        ("-np 2", 2, &[], "channels 2 (PCIe P2P)", "/2ch"),
+        (
+            "-np 2",
+            2,
+            &[("FERROCCL_SIM_LINK", "nvlink")],
+            "channels 2 (NVLink x1)",
+            "/2ch",
+        ),
+        (
+            "-t 2",
+            2,
+            &[("FERROCCL_SIM_P2P", "none")],
+            "channels 2 (staged through host memory)",
+            "/2ch",
+        ),
+        ("-np 2", 1, &[], "channels 2 (one GPU)", "/2ch"),
+        (
+            "-np 2",
+            2,
+            &[("FERROCCL_SIM_SMS", "8")],
+            "channels 1 (PCIe P2P)",
+            "/1ch",
+        ),
+        (
+            "-np 2",
+            2,
+            &[("FERROCCL_NCHANNELS", "3")],
+            "channels 3 (PCIe P2P)",
+            "/3ch",
+        ),
+    ];
+    for (ranks, gpus, envs, header, per_row) in cases {
+        let args = format!("--memory cuda {ranks} -b 8 -e 256K -f 32 -n 1 -w 1 -d int32");
+        let out = on_simulated_gpus("all_reduce_perf", &args, gpus, envs);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        let what = format!("{args} on {gpus} GPU(s) {envs:?}");
+        assert!(out.status.success(), "{what}:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains(header),
+            "{what}: no {header:?} in\n{stdout}"
+        );
+        let table = rows(&stdout);
+        assert_eq!(table.len(), 4, "{what}: 8 B .. 256 KiB by 32:\n{stdout}");
+        for row in &table {
+            assert!(
+                row[8] == "0" && row[12] == "0",
+                "{what}: wrong results:\n{stdout}"
+            );
+            assert!(row[13].ends_with(per_row), "{what}: {row:?}");
+        }
+    }
+}
+
 /// A driver without an entry point of ferroccl's device path (older than ferroccl
 /// needs): the error names the missing call before any device work starts.
 #[test]
@@ -456,7 +524,11 @@ fn every_failing_driver_call_is_named_and_nothing_hangs() {
     let processes = "--memory cuda -np 2 -b 8 -e 64K -f 64 -n 1 -w 1";
     let threads = "--memory cuda -t 2 -b 8 -e 64K -f 64 -n 1 -w 1";
     // (the call that fails, the tool's arguments, the simulated machine's settings)
-    type Case = (&'static str, &'static str, &'static [(&'static str, &'static str)]);
+    type Case = (
+        &'static str,
+        &'static str,
+        &'static [(&'static str, &'static str)],
+    );
     let cases: &[Case] = &[
         ("cuDeviceGetAttribute", processes, &[]),
         ("cuDevicePrimaryCtxRetain", processes, &[]),

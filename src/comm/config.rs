@@ -16,7 +16,7 @@ use crate::transport::{NetChoice, Striping, TransportChoice};
 /// | variable | field | default |
 /// | --- | --- | --- |
 /// | `FERROCCL_TIMEOUT` | `timeout` (seconds) | 600 |
-/// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels` | 1 |
+/// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels`, and `device_channels` | 1; device calls: from the device ([`crate::cuda::tuning`]) |
 /// | `FERROCCL_SLOTS` | `slots` per FIFO | 8 |
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
@@ -38,6 +38,10 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// Number of parallel rings.
     pub channels: usize,
+    /// Number of parallel rings (thread blocks per rank) of calls on device memory;
+    /// `None`: from the device, the SMs and the link between the GPUs
+    /// ([`crate::cuda::tuning`]). `FERROCCL_NCHANNELS` sets it with `channels`.
+    pub device_channels: Option<usize>,
     /// Slots per FIFO.
     pub slots: usize,
     /// Bytes per slot.
@@ -85,6 +89,7 @@ impl Default for CommConfig {
         CommConfig {
             timeout: Duration::from_secs(600),
             channels: 1,
+            device_channels: None,
             slots,
             slot_bytes,
             chunk_bytes: half_fifo(slots, slot_bytes),
@@ -151,6 +156,7 @@ impl CommConfig {
         }
         if let Some(v) = env_number(&["FERROCCL_NCHANNELS", "NCCL_NCHANNELS"])? {
             c.channels = v as usize;
+            c.device_channels = Some(v as usize);
         }
         if let Some(v) = env_number(&["FERROCCL_SLOTS"])? {
             c.slots = v as usize;
@@ -258,6 +264,11 @@ impl CommConfig {
             ),
             ("FERROCCL_TRANSPORT", format!("{:?}", self.transport)),
             ("FERROCCL_NCHANNELS", self.channels.to_string()),
+            (
+                "device_channels",
+                self.device_channels
+                    .map_or_else(|| "auto".to_string(), |c| c.to_string()),
+            ),
             ("FERROCCL_SLOTS", self.slots.to_string()),
             ("FERROCCL_SLOT_SIZE", self.slot_bytes.to_string()),
             ("FERROCCL_CHUNK_SIZE", self.chunk_bytes.to_string()),
@@ -315,11 +326,13 @@ impl CommConfig {
             ));
         }
         self.striping.validate()?;
-        if self.channels == 0 || self.channels > 64 {
-            return Err(Error::invalid(format!(
-                "{} channels: use 1 to 64",
-                self.channels
-            )));
+        for channels in [Some(self.channels), self.device_channels]
+            .into_iter()
+            .flatten()
+        {
+            if channels == 0 || channels > 64 {
+                return Err(Error::invalid(format!("{channels} channels: use 1 to 64")));
+            }
         }
         let max_chunk = half_fifo(self.slots, self.slot_bytes);
         if self.chunk_bytes < 8 || self.chunk_bytes > max_chunk {

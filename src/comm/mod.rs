@@ -11,6 +11,7 @@
 //! this rank learn which rank failed first.
 
 pub(crate) mod config;
+pub mod device_tuning;
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,11 +38,13 @@ pub struct Communicator {
     rank: usize,
     nranks: usize,
     config: CommConfig,
-    /// Plan options per protocol (Simple, LL: their chunks differ) and element size (1,
-    /// 2, 4 and 8 bytes: the chunk is in elements).
-    plan_options: [[PlanOptions; 4]; 2],
-    /// Rank 0's cost model (every rank uses the same one, so choices agree).
-    model: CostModel,
+    /// How host calls are planned (rank 0's cost model: every rank uses the same one, so
+    /// choices agree).
+    planner: Planner,
+    /// How calls on device memory are planned (agreed at initialisation).
+    device_planner: Planner,
+    /// What the device planner was made from.
+    device_tuning: device_tuning::DeviceTuning,
     /// Ranks, hosts, ranks per host.
     shape: Shape,
     boot: Bootstrap,
@@ -67,10 +70,44 @@ struct State {
     /// The plan of the last single-operation call: loops that repeat one call
     /// (training steps, benchmarks) plan once.
     last_plan: Option<CachedPlan>,
+    /// The same for calls on device memory (planned by the device planner).
+    last_device_plan: Option<CachedPlan>,
     /// Scratch memory of host calls (in words, for 8-byte alignment).
     scratch: Vec<u64>,
     /// The device side, made by the first call on device memory.
     device: Option<crate::cuda::launch::Launcher>,
+}
+
+/// What calls are planned with: a cost model that picks each call's algorithm and
+/// protocol, and the plan options (rings, chunks) they are made from. Host calls have
+/// one; calls on device memory another, from the GPUs ([`device_tuning`]).
+struct Planner {
+    /// The cost model (the same on every rank, so choices agree).
+    model: CostModel,
+    /// Plan options per protocol (Simple, LL: their chunks differ) and element size (1,
+    /// 2, 4 and 8 bytes: the chunk is in elements).
+    plan_options: [[PlanOptions; 4]; 2],
+    /// Channels (rings) of its plans.
+    channels: usize,
+}
+
+impl Planner {
+    /// `channels` rings over ranks on `hosts`, chunks from `config`, choices by `model`.
+    fn new(config: &CommConfig, hosts: &[usize], channels: usize, model: CostModel) -> Self {
+        let rings = PlanOptions::for_hosts(hosts, channels, 1).rings;
+        Planner {
+            model,
+            plan_options: Protocol::ALL.map(|protocol| {
+                [1usize, 2, 4, 8].map(|elem| PlanOptions {
+                    chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
+                    rings: rings.clone(),
+                    algorithm: Algorithm::Ring,
+                    hosts: hosts.to_vec(),
+                })
+            }),
+            channels,
+        }
+    }
 }
 
 /// Scratch memory kept between calls (4 MiB): the direct algorithms' fold slots are a
@@ -168,6 +205,18 @@ impl Communicator {
 
     /// Like [`Communicator::init_all`], with explicit settings.
     pub fn init_all_with(n: usize, config: CommConfig) -> Result<Vec<Self>> {
+        Self::init_all_on(n, config, &|_| Ok(()))
+    }
+
+    /// Like [`Communicator::init_all_with`], running `before_init(rank)` on each rank's
+    /// initialising thread first: to make the rank's GPU current, as a NCCL program
+    /// calls `cudaSetDevice` before `ncclCommInitRank`, so that the device calls' tuning
+    /// knows the GPUs ([`Communicator::device_tuning`]).
+    pub fn init_all_on(
+        n: usize,
+        config: CommConfig,
+        before_init: &(dyn Fn(usize) -> Result<()> + Sync),
+    ) -> Result<Vec<Self>> {
         if n == 0 {
             return Err(Error::invalid("init_all: 0 ranks"));
         }
@@ -179,6 +228,7 @@ impl Communicator {
                     let store: Arc<dyn Store> = Arc::new(store.clone());
                     let config = config.clone();
                     s.spawn(move || {
+                        before_init(rank)?;
                         let boot = Bootstrap::new(store, rank, n, &config.bootstrap)?;
                         Self::from_bootstrap(boot, config)
                     })
@@ -200,9 +250,12 @@ impl Communicator {
         // Everyone plans with rank 0's cost model, so that every rank picks the same
         // algorithm for the same call even if their environments differ; the settings
         // that shape plans and FIFOs must be the same everywhere, or calls would hang.
+        // The GPU current on this thread, if any, for the device calls' tuning.
+        let gpu = crate::cuda::current_gpu();
         let mine = format!(
-            "{}\n{}",
+            "{}\n{}\n{}",
             CostModel::from_env()?.to_text(),
+            device_tuning::describe(gpu.as_ref()),
             config.shared_settings()
         );
         let all = boot.all_gather(mine.as_bytes())?;
@@ -210,10 +263,19 @@ impl Communicator {
             .iter()
             .map(|b| String::from_utf8_lossy(b).into_owned())
             .collect();
-        let (model, settings) = texts[0].split_once('\n').unwrap_or((&texts[0], ""));
-        let mut model = CostModel::parse("rank 0's cost model", model)?;
+        // Each text: the cost model, the GPU line, the settings.
+        let parts = |t: &str| -> (String, String, String) {
+            let mut lines = t.splitn(3, '\n').map(String::from);
+            let mut next = || lines.next().unwrap_or_default();
+            (next(), next(), next())
+        };
+        let (model, _, settings) = parts(&texts[0]);
+        let settings = settings.as_str();
+        let mut model = CostModel::parse("rank 0's cost model", &model)?;
+        let gpu_lines: Vec<String> = texts.iter().map(|t| parts(t).1).collect();
         for (r, text) in texts.iter().enumerate() {
-            let theirs = text.split_once('\n').map_or("", |(_, s)| s);
+            let theirs = parts(text).2;
+            let theirs = theirs.as_str();
             if let Some(diff) = CommConfig::settings_differ(settings, theirs) {
                 return Err(Error::invalid(format!(
                     "rank {r}'s settings differ from rank 0's: {diff}; every rank must use \
@@ -246,14 +308,11 @@ impl Communicator {
             model.net = crate::tune::LinkCost::rdma(gbps);
         }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
-        let plan_options = Protocol::ALL.map(|protocol| {
-            [1usize, 2, 4, 8].map(|elem| PlanOptions {
-                chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
-                rings: rings.clone(),
-                algorithm: Algorithm::Ring,
-                hosts: hosts.clone(),
-            })
-        });
+        let planner = Planner::new(&config, &hosts, config.channels, model);
+        let device_tuning =
+            device_tuning::agree(&boot, &gpu_lines, &hosts, config.device_channels, model.net)?;
+        let device_planner =
+            Planner::new(&config, &hosts, device_tuning.channels, device_tuning.model);
         let shape = Shape {
             ranks: nranks,
             hosts: host_count,
@@ -266,8 +325,9 @@ impl Communicator {
             rank,
             nranks,
             config,
-            plan_options,
-            model,
+            planner,
+            device_planner,
+            device_tuning,
             shape,
             boot,
             abort_bell: conns.abort_handle(),
@@ -277,6 +337,7 @@ impl Communicator {
                 conns,
                 seq: 0,
                 last_plan: None,
+                last_device_plan: None,
                 scratch: Vec::new(),
                 device: None,
             }),
@@ -851,11 +912,12 @@ impl Communicator {
         let fused;
         let (plan, choices) = match raws {
             [raw] => {
-                let cached = self.single_plan(&mut st.last_plan, raw)?;
+                let cached =
+                    self.single_plan(&self.device_planner, &mut st.last_device_plan, raw)?;
                 (&cached.plan, vec![cached.choice])
             }
             _ => {
-                let (plan, choices) = self.fused_plan(raws)?;
+                let (plan, choices) = self.fused_plan(&self.device_planner, raws)?;
                 fused = plan;
                 (&fused, choices)
             }
@@ -1081,12 +1143,12 @@ impl Communicator {
         let group: Vec<(Choice, usize)>;
         let (fused, name, per_op): (_, _, &[(Choice, usize)]) = match raws {
             [raw] => {
-                let cached = self.single_plan(&mut st.last_plan, raw)?;
+                let cached = self.single_plan(&self.planner, &mut st.last_plan, raw)?;
                 single = [(cached.choice, cached.scratch_elems)];
                 (None, raw.collective.name(), &single)
             }
             _ => {
-                let (fused, choices) = self.fused_plan(raws)?;
+                let (fused, choices) = self.fused_plan(&self.planner, raws)?;
                 group = choices
                     .into_iter()
                     .enumerate()
@@ -1234,27 +1296,32 @@ impl Communicator {
             input: std::ptr::null(),
             output: std::ptr::null_mut(),
         };
-        self.plan_with(&raw, self.choice_for(collective, count * dtype.size()))
+        self.plan_with(
+            &self.planner,
+            &raw,
+            self.choice_for(collective, count * dtype.size()),
+        )
     }
 
-    /// The plan of one operation, kept in `last_plan` so that loops repeating one call
-    /// (training steps, benchmarks) plan once.
+    /// The plan of one operation by `planner`, kept in `last_plan` so that loops
+    /// repeating one call (training steps, benchmarks) plan once.
     fn single_plan<'a>(
         &self,
+        planner: &Planner,
         last_plan: &'a mut Option<CachedPlan>,
         raw: &RawCall,
     ) -> Result<&'a CachedPlan> {
         let key = (raw.collective, raw.count, raw.dtype.size());
         if last_plan.as_ref().is_none_or(|c| c.key != key) {
-            let choice = self.choice_for(raw.collective, raw.count * raw.dtype.size());
-            let plan = self.plan_with(raw, choice)?;
+            let choice = self.choice_with(planner, raw.collective, raw.count * raw.dtype.size());
+            let plan = self.plan_with(planner, raw, choice)?;
             tracing::info!(
                 "rank {}: {} of {} B uses {} ({} channels)",
                 self.rank,
                 raw.collective.name(),
                 raw.count * raw.dtype.size(),
                 choice.name(),
-                self.config.channels
+                planner.channels
             );
             *last_plan = Some(CachedPlan {
                 key,
@@ -1270,23 +1337,23 @@ impl Communicator {
     /// The fused plan of operations issued together, and each operation's choice. Each
     /// operation gets its own algorithm and protocol, from itself alone: every rank then
     /// agrees on each, whatever else it groups with it.
-    fn fused_plan(&self, raws: &[RawCall]) -> Result<(Plan, Vec<Choice>)> {
+    fn fused_plan(&self, planner: &Planner, raws: &[RawCall]) -> Result<(Plan, Vec<Choice>)> {
         let choices: Vec<Choice> = raws
             .iter()
-            .map(|r| self.choice_for(r.collective, r.count * r.dtype.size()))
+            .map(|r| self.choice_with(planner, r.collective, r.count * r.dtype.size()))
             .collect();
         let plans = raws
             .iter()
             .zip(&choices)
-            .map(|(raw, &c)| self.plan_with(raw, c))
+            .map(|(raw, &c)| self.plan_with(planner, raw, c))
             .collect::<Result<Vec<_>>>()?;
         Ok((Plan::fuse(plans)?, choices))
     }
 
-    fn plan_with(&self, raw: &RawCall, choice: Choice) -> Result<Plan> {
+    fn plan_with(&self, planner: &Planner, raw: &RawCall, choice: Choice) -> Result<Plan> {
         let protocol_index = choice.protocol.index();
         let options =
-            &self.plan_options[protocol_index][raw.dtype.size().trailing_zeros() as usize];
+            &planner.plan_options[protocol_index][raw.dtype.size().trailing_zeros() as usize];
         if choice.algorithm == options.algorithm {
             return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
         }
@@ -1300,6 +1367,16 @@ impl Communicator {
     /// one plan, reported as ring; every collective has a choice of protocol). In
     /// deterministic mode a reduction uses only algorithms that fold in rank order.
     pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
+        self.choice_with(&self.planner, collective, bytes)
+    }
+
+    /// [`choice_for`](Self::choice_for) of a call on device memory (the device's cost
+    /// model, [`device_tuning`](Self::device_tuning)).
+    pub fn device_choice_for(&self, collective: Collective, bytes: usize) -> Choice {
+        self.choice_with(&self.device_planner, collective, bytes)
+    }
+
+    fn choice_with(&self, planner: &Planner, collective: Collective, bytes: usize) -> Choice {
         let rank_order = self.config.deterministic && collective.is_reducing();
         let mut algorithms: Vec<Algorithm> = self
             .config
@@ -1315,7 +1392,7 @@ impl Communicator {
                 Algorithm::Ring
             });
         }
-        let choice = self.model.best(
+        let choice = planner.model.best(
             collective,
             bytes,
             self.shape,
@@ -1332,9 +1409,15 @@ impl Communicator {
         choice
     }
 
-    /// The cost model in use and the job's shape (rank 0's model).
+    /// The cost model of host calls and the job's shape (rank 0's model).
     pub fn cost_model(&self) -> (CostModel, Shape) {
-        (self.model, self.shape)
+        (self.planner.model, self.shape)
+    }
+
+    /// How calls on device memory are planned: their channels, the link between the
+    /// GPUs and the cost model, agreed by every rank at initialisation.
+    pub fn device_tuning(&self) -> device_tuning::DeviceTuning {
+        self.device_tuning
     }
 
     // ----- argument checks ---------------------------------------------------------

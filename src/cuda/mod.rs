@@ -23,6 +23,7 @@
 
 pub mod launch;
 pub mod nvrtc;
+pub mod tuning;
 pub mod work;
 
 use std::collections::HashMap;
@@ -71,10 +72,37 @@ pub const DRIVER_VARIABLE: &str = "FERROCCL_CUDA_DRIVER";
 /// The symbol by which the simulated driver says what it is.
 const SIMULATED_MARK: &str = "ferroccl_simcuda_describe";
 
+/// The driver, once loaded (or why it could not be).
+static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
+
+/// Whether a CUDA driver is loaded in this process already (by ferroccl, or by the
+/// application: the CUDA runtime, torch, a C program), without loading one.
+pub fn driver_loaded() -> bool {
+    if let Some(loaded) = DRIVER.get() {
+        return loaded.is_ok();
+    }
+    let chosen = std::env::var(DRIVER_VARIABLE)
+        .ok()
+        .filter(|p| !p.is_empty());
+    chosen
+        .iter()
+        .map(String::as_str)
+        .chain(["libcuda.so.1", "libcuda.so"])
+        .any(|name| {
+            // SAFETY: RTLD_NOLOAD only looks for a library already loaded; nothing runs.
+            unsafe {
+                libloading::os::unix::Library::open(
+                    Some(name),
+                    libloading::os::unix::RTLD_LAZY | libc::RTLD_NOLOAD,
+                )
+            }
+            .is_ok()
+        })
+}
+
 /// The CUDA driver, or why it cannot be used (no `libcuda.so.1`, a symbol missing,
 /// `cuInit` failing — e.g. no device or a driver/kernel-module mismatch).
 pub fn driver() -> Result<Driver> {
-    static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
     DRIVER
         .get_or_init(load_driver)
         .clone()
@@ -378,6 +406,9 @@ const RUNTIME_SYMBOLS: &[&str] = &[
     "cuStreamIsCapturing",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
+    "cuDeviceGetP2PAttribute",
+    "cuDeviceGetUuid_v2",
+    "cuDeviceGetPCIBusId",
 ];
 
 /// The driver, with every symbol the device path calls, and the context current on this
@@ -781,6 +812,85 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
         )?
     };
     Ok(can != 0)
+}
+
+/// Whether P2P between GPUs `a` and `b` has native atomics: NVLink has them, PCIe P2P
+/// does not (`CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED`).
+pub fn native_atomics(a: usize, b: usize) -> Result<bool> {
+    runtime_symbols()?;
+    let mut v: c_int = 0;
+    // SAFETY: the driver is loaded; the call writes one int.
+    unsafe {
+        check(
+            sys::cuDeviceGetP2PAttribute(
+                &mut v,
+                sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                a as sys::CUdevice,
+                b as sys::CUdevice,
+            ),
+            "cuDeviceGetP2PAttribute(native atomics)",
+        )?
+    };
+    Ok(v != 0)
+}
+
+/// What a communicator's initialisation learns of the GPU whose context is current on
+/// the initialising thread ([`current_gpu`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuIdentity {
+    /// The GPU's UUID: the same in every process, however `CUDA_VISIBLE_DEVICES`
+    /// numbers it there.
+    pub uuid: [u8; 16],
+    /// Its ordinal in this process.
+    pub ordinal: usize,
+    /// Its SM count.
+    pub sms: usize,
+    /// Its PCI bus id (`0000:3b:00.0`), to find its NVLinks in NVML's view.
+    pub bus_id: String,
+}
+
+/// The GPU of the context current on this thread, when a CUDA driver is loaded in this
+/// process already and a context is current (a process that never touched CUDA does
+/// not load a driver for this, and a thread without a context says nothing).
+pub fn current_gpu() -> Option<GpuIdentity> {
+    if !driver_loaded() || runtime_symbols().is_err() {
+        return None;
+    }
+    let ordinal = runtime().ok()?;
+    gpu_identity(ordinal).ok()
+}
+
+/// [`GpuIdentity`] of GPU `ordinal`.
+pub fn gpu_identity(ordinal: usize) -> Result<GpuIdentity> {
+    runtime_symbols()?;
+    let dev = ordinal as sys::CUdevice;
+    let mut uuid = sys::CUuuid_st { bytes: [0; 16] };
+    let mut sms: c_int = 0;
+    let mut bus = [0 as std::ffi::c_char; 64];
+    // SAFETY: the driver is loaded; the calls write a UUID, an int and at most 64 bytes.
+    unsafe {
+        check(sys::cuDeviceGetUuid_v2(&mut uuid, dev), "cuDeviceGetUuid")?;
+        check(
+            sys::cuDeviceGetAttribute(
+                &mut sms,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                dev,
+            ),
+            "cuDeviceGetAttribute(SM count)",
+        )?;
+        check(
+            sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as c_int, dev),
+            "cuDeviceGetPCIBusId",
+        )?;
+    }
+    // SAFETY: NUL-terminated by the driver within the buffer.
+    let bus_id = unsafe { CStr::from_ptr(bus.as_ptr()) }.to_string_lossy();
+    Ok(GpuIdentity {
+        uuid: uuid.bytes.map(|b| b as u8),
+        ordinal,
+        sms: sms.max(1) as usize,
+        bus_id: crate::topo::pci::normalise_bus_id(&bus_id),
+    })
 }
 
 /// Host memory of someone else's (a shared-memory segment) registered as page-locked and

@@ -252,6 +252,23 @@ impl Drop for Nccl {
     }
 }
 
+/// Makes GPU `rank % GPUs` current on this thread (each rank's GPU, round robin) and
+/// returns it. The tools call it before a rank joins its communicator too, as nccl-tests
+/// calls `cudaSetDevice` before `ncclCommInitRank`, so that the device calls' tuning
+/// knows the GPUs.
+pub fn bind_rank_gpu(rank: usize) -> Result<usize> {
+    cuda::driver()?;
+    let gpus = cuda::device_count();
+    if gpus == 0 {
+        return Err(Error::Cuda {
+            what: "--memory cuda: the driver sees no GPU".into(),
+        });
+    }
+    let device = rank % gpus;
+    cuda::bind_device(device)?;
+    Ok(device)
+}
+
 /// One rank's device side for the sweeps: its GPU, its stream, NCCL when asked for.
 pub struct DeviceRank<'a> {
     comm: &'a Communicator,
@@ -264,15 +281,7 @@ pub struct DeviceRank<'a> {
 impl<'a> DeviceRank<'a> {
     /// Binds this rank to GPU `rank % GPUs` and prepares the libraries `args` asks for.
     pub fn new(comm: &'a Communicator, args: &PerfArgs) -> Result<Self> {
-        cuda::driver()?;
-        let gpus = cuda::device_count();
-        if gpus == 0 {
-            return Err(Error::Cuda {
-                what: "--memory cuda: the driver sees no GPU".into(),
-            });
-        }
-        let device = comm.rank() % gpus;
-        cuda::bind_device(device)?;
+        let device = bind_rank_gpu(comm.rank())?;
         let libraries = match args.backend {
             super::args::Backend::Ferroccl => vec![Library::Ferroccl],
             super::args::Backend::Nccl => vec![Library::Nccl],

@@ -155,15 +155,20 @@ impl Test {
         }
     }
 
-    /// The algorithm a call of `count` elements of `elem` bytes uses, for the report.
-    fn algorithm(&self, comm: &Communicator, count: usize, elem: usize) -> String {
-        let channels = comm.config().channels;
+    /// The algorithm a call of `count` elements of `elem` bytes uses (on device memory
+    /// when `device`), for the report.
+    fn algorithm(&self, comm: &Communicator, count: usize, elem: usize, device: bool) -> String {
         match self {
             Test::AllToAll | Test::Gather | Test::Scatter => "direct".into(),
             Test::SendRecv => "p2p".into(),
+            _ if device => {
+                let choice = comm.device_choice_for(self.collective(0), count * elem);
+                let channels = comm.device_tuning().channels;
+                format!("{}/{channels}ch", choice.name())
+            }
             _ => {
                 let choice = comm.choice_for(self.collective(0), count * elem);
-                format!("{}/{channels}ch", choice.name())
+                format!("{}/{}ch", choice.name(), comm.config().channels)
             }
         }
     }
@@ -203,6 +208,9 @@ pub fn run(test: Test, args: &PerfArgs, argv: &[String]) -> Result<u8> {
         || std::env::var_os("SLURM_PROCID").is_some()
         || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
     {
+        if args.memory == Memory::Cuda {
+            device::bind_rank_gpu(crate::bootstrap::LaunchEnv::from_env()?.rank)?;
+        }
         let comm = Communicator::from_env_with(config)?;
         return Ok(u8::from(run_rank(&comm, test, args)? > 0));
     }
@@ -223,7 +231,11 @@ pub fn run(test: Test, args: &PerfArgs, argv: &[String]) -> Result<u8> {
         job.prefix = false;
         return launch::run(&job);
     }
-    let comms = Communicator::init_all_with(args.threads.unwrap_or(1), config)?;
+    let bind = |rank: usize| match args.memory {
+        Memory::Cuda => device::bind_rank_gpu(rank).map(|_| ()),
+        Memory::Host => Ok(()),
+    };
+    let comms = Communicator::init_all_on(args.threads.unwrap_or(1), config, &bind)?;
     let wrong = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
@@ -418,7 +430,7 @@ fn measure<T: Element + Default>(
         root: test.rooted().then_some(root),
         out_of_place: modes.pop().expect("out-of-place measured"),
         in_place,
-        algorithm: test.algorithm(comm, count, elem),
+        algorithm: test.algorithm(comm, count, elem, matches!(target, Target::Device(..))),
         rank,
     })
 }

@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use super::args::Memory;
 use super::{PerfArgs, Test};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -55,10 +56,10 @@ const RULE: &str = "#";
 
 /// Where rank `rank`'s buffers are: `host-memory`, or its GPU (`rank % GPUs`, as
 /// [`super::device`] binds it), marked when the CUDA driver is the tests' simulated one.
-fn memory_label(memory: super::args::Memory, rank: usize) -> String {
+fn memory_label(memory: Memory, rank: usize) -> String {
     match memory {
-        super::args::Memory::Host => "host-memory".into(),
-        super::args::Memory::Cuda => {
+        Memory::Host => "host-memory".into(),
+        Memory::Cuda => {
             let gpus = crate::cuda::device_count().max(1);
             let simulated = crate::cuda::driver().is_ok_and(|d| d.simulated.is_some());
             format!(
@@ -110,10 +111,19 @@ pub fn header(test: Test, args: &PerfArgs, comm: &Communicator) -> String {
         );
     }
     let c = comm.config();
+    let channels = match args.memory {
+        Memory::Host => c.channels.to_string(),
+        Memory::Cuda => {
+            let t = comm.device_tuning();
+            match t.link {
+                Some(link) => format!("{} ({})", t.channels, link.name()),
+                None => format!("{} (no GPU was current at initialisation)", t.channels),
+            }
+        }
+    };
     let _ = writeln!(
         s,
-        "# channels {}, FIFO {} x {} KiB, chunk {} KiB, timeout {:?}",
-        c.channels,
+        "# channels {channels}, FIFO {} x {} KiB, chunk {} KiB, timeout {:?}",
         c.slots,
         c.slot_bytes >> 10,
         c.chunk_bytes >> 10,

@@ -6,7 +6,8 @@
 // - Devices: FERROCCL_SIM_GPUS (default 1) GPUs per host with the attributes ferroccl
 //   reads (FERROCCL_SIM_CC "9.0", FERROCCL_SIM_SMS 132, FERROCCL_SIM_MEMORY_MIB 81920,
 //   FERROCCL_SIM_DRIVER_VERSION 13000, FERROCCL_SIM_COMPUTE_MODE default|exclusive-process|
-//   prohibited), and P2P between them (FERROCCL_SIM_P2P: "all", "none" or pairs "0-1,2-3").
+//   prohibited), and P2P between them (FERROCCL_SIM_P2P: "all", "none" or pairs "0-1,2-3";
+//   FERROCCL_SIM_LINK: over "pcie" or "nvlink", which has native atomics).
 // - Memory: every allocation is its own mapping; a freed one is replaced by an
 //   inaccessible mapping (kept in quarantine), so a use after free faults at the access.
 //   Device memory is a file on /dev/shm (unnamed until exported), so IPC handles map it
@@ -129,6 +130,7 @@ struct Config {
   int resident_blocks = 132;
   int compute_mode = 0;  // 0 default, 2 prohibited, 3 exclusive-process
   std::string p2p = "all";
+  bool nvlink = false;  // P2P pairs over NVLink (native atomics) rather than PCIe
   bool verbose = false;
 
   void load() {
@@ -144,6 +146,14 @@ struct Config {
     driver_version = (int)env_long("FERROCCL_SIM_DRIVER_VERSION", 13000);
     resident_blocks = (int)env_long("FERROCCL_SIM_RESIDENT_BLOCKS", sms);
     if (const char* p = getenv("FERROCCL_SIM_P2P")) p2p = p;
+    if (const char* l = getenv("FERROCCL_SIM_LINK")) {
+      std::string s = l;
+      if (s != "pcie" && s != "nvlink") {
+        fprintf(stderr, "simcuda: FERROCCL_SIM_LINK=%s is not pcie or nvlink\n", l);
+        abort();
+      }
+      nvlink = s == "nvlink";
+    }
     if (const char* m = getenv("FERROCCL_SIM_COMPUTE_MODE")) {
       std::string s = m;
       compute_mode = s == "exclusive-process" ? 3 : s == "prohibited" ? 2 : 0;
@@ -997,7 +1007,7 @@ SIM_API CUresult cuDeviceGetP2PAttribute(int* v, int attribute, CUdevice a, CUde
   switch (attribute) {
     case 1: *v = 0; return CUDA_SUCCESS;       // PERFORMANCE_RANK
     case 2: *v = p2p; return CUDA_SUCCESS;     // ACCESS_SUPPORTED
-    case 3: *v = p2p; return CUDA_SUCCESS;     // NATIVE_ATOMIC_SUPPORTED
+    case 3: *v = p2p && config.nvlink; return CUDA_SUCCESS;  // NATIVE_ATOMIC_SUPPORTED: NVLink only
     case 4: *v = p2p; return CUDA_SUCCESS;     // CUDA_ARRAY_ACCESS_SUPPORTED
     default: return CUDA_ERROR_INVALID_VALUE;
   }
