@@ -259,6 +259,18 @@ fn c_programs_on_device_memory_of_the_simulated_driver() {
         );
         eprintln!("{n} ranks on {gpus} simulated GPUs: {}", outs[0].trim());
     }
+    // ncclCommInitAll in one process over 3 ranks on 2 GPUs, following its devlist.
+    let outs = run_all_with(
+        &device,
+        &[vec!["0".into(), "3".into(), "-".into(), "initall".into()]],
+        limit,
+        &common::simulated_gpu_env(2),
+    );
+    assert!(
+        outs[0].contains("ncclCommInitAll of 3 ranks"),
+        "{}",
+        outs[0]
+    );
     for mode in ["abort", "timeout"] {
         let mut envs = common::simulated_gpu_env(2);
         envs.push(("FERROCCL_TIMEOUT", "2".into()));

@@ -487,7 +487,6 @@ nccl_api! {
         devlist: *const c_int,
     ) -> c_int {
         api("ncclCommInitAll", || {
-            let _ = devlist;
             if comm.is_null() {
                 return Err(invalid("comm (the output array) is NULL"));
             }
@@ -495,8 +494,29 @@ nccl_api! {
                 .ok()
                 .filter(|&n| n > 0)
                 .ok_or_else(|| invalid(format!("ndev {ndev} must be at least 1")))?;
+            // Rank i's GPU: devlist[i], or i for a NULL list (as NCCL).
+            let devices: Vec<usize> = if devlist.is_null() {
+                (0..n).collect()
+            } else {
+                // SAFETY: the caller's list has `ndev` entries.
+                unsafe { std::slice::from_raw_parts(devlist, n) }
+                    .iter()
+                    .map(|&d| {
+                        usize::try_from(d).map_err(|_| invalid(format!("devlist has GPU {d}")))
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            // Where the application uses CUDA, each rank joins with its GPU current, so
+            // that device calls are tuned for the GPUs; a host-only program loads no
+            // driver for this.
+            let bind = |rank: usize| {
+                if cuda::driver_loaded() {
+                    cuda::bind_device(devices[rank])?;
+                }
+                Ok(())
+            };
             let config = CommConfig::from_env().map_err(|e| Failure::from_error(&e))?;
-            let comms = Communicator::init_all_with(n, config)
+            let comms = Communicator::init_all_on(n, config, &bind)
                 .map_err(|e| Failure::from_error(&e))?;
             for (i, c) in comms.into_iter().enumerate() {
                 let (_, ptr) = CommHandle::register(Life::Ready(c.into()), false, i, n);
@@ -725,14 +745,20 @@ nccl_api! {
     /// `ncclInvalidUsage` with a message saying so.
     fn ncclCommCuDevice / pncclCommCuDevice(comm: *const c_void, device: *mut c_int) -> c_int {
         api("ncclCommCuDevice", || {
-            CommHandle::find(comm)?;
+            let handle = CommHandle::find(comm)?;
             if device.is_null() {
                 return Err(invalid("device is NULL"));
             }
-            Err(Failure::new(
-                INVALID_USAGE,
-                "this communicator runs on host memory and has no CUDA device",
-            ))
+            let ordinal = handle.communicator()?.cuda_device().ok_or_else(|| {
+                Failure::new(
+                    INVALID_USAGE,
+                    "this communicator has no CUDA device: no CUDA context was current when \
+                     it was made (call cudaSetDevice before ncclCommInitRank)",
+                )
+            })?;
+            // SAFETY: checked non-NULL; the caller's int.
+            unsafe { *device = ordinal as c_int };
+            Ok(SUCCESS)
         })
     }
 

@@ -45,6 +45,8 @@ pub struct Communicator {
     device_planner: Planner,
     /// What the device planner was made from.
     device_tuning: device_tuning::DeviceTuning,
+    /// The GPU current on the initialising thread (`ncclCommCuDevice`), if any.
+    gpu: Option<crate::cuda::GpuIdentity>,
     /// Ranks, hosts, ranks per host.
     shape: Shape,
     boot: Bootstrap,
@@ -328,6 +330,7 @@ impl Communicator {
             planner,
             device_planner,
             device_tuning,
+            gpu,
             shape,
             boot,
             abort_bell: conns.abort_handle(),
@@ -1412,6 +1415,12 @@ impl Communicator {
     /// The cost model of host calls and the job's shape (rank 0's model).
     pub fn cost_model(&self) -> (CostModel, Shape) {
         (self.planner.model, self.shape)
+    }
+
+    /// The ordinal of the GPU whose context was current when this rank joined (as
+    /// `ncclCommCuDevice` reports it); `None` for a rank that joined without one.
+    pub fn cuda_device(&self) -> Option<usize> {
+        self.gpu.as_ref().map(|g| g.ordinal)
     }
 
     /// How calls on device memory are planned: their channels, the link between the

@@ -16,6 +16,8 @@
  *                stream comes back long before the timeout, and its error names rank 1
  *   mismatch     the ranks call all-reduce with different counts: every stream comes
  *                back (by the timeout at worst) and every rank reports an error
+ *   initall      one process (RANK 0, ID_FILE unused): ncclCommInitAll of NRANKS ranks
+ *                on the GPUs of a devlist, a group of all-reduces, one per rank
  * On the simulated driver each survivor checks at exit that ferroccl left no device or
  * page-locked allocation, IPC mapping, stream or event behind.
  */
@@ -197,6 +199,13 @@ static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
   /* Misuse on device memory, each refused with its reason before anything runs (every
    * rank makes the same mistakes, so no peer waits on another). */
   int misuse = 0;
+  int gpus = 0, device = -1;
+  DRV(drv_device_count(&gpus));
+  CHECK(ncclCommCuDevice(comm, &device));
+  if (device != rank % gpus) {
+    fprintf(stderr, "ncclCommCuDevice says GPU %d, not %d\n", device, rank % gpus);
+    misuse++;
+  }
   {
     drv_ptr d = device_alloc(64);
     int32_t h[16] = {0};
@@ -279,6 +288,61 @@ static int collectives(ncclComm_t comm, void* stream, int rank, int nranks) {
     exit(1);
   }
   printf("OK %d device calls checked, a group of 2, ncclMemAlloc, 4 misuses refused\n", calls + 2);
+  return 0;
+}
+
+/* ncclCommInitAll in one process, ranks on the GPUs of `devlist` (reversed, so that the
+ * list is seen to be followed): ncclCommCuDevice reports each rank's GPU, and a group of
+ * all-reduces, one per rank on a stream of its GPU, is checked. */
+static int init_all(int nranks) {
+  int gpus = 0;
+  DRV(drv_device_count(&gpus));
+  ncclComm_t comms[8];
+  int devlist[8];
+  void* ctx[8];
+  void* streams[8];
+  drv_ptr bufs[8];
+  size_t n = 5003;
+  int32_t* host = malloc(n * 4);
+  for (int r = 0; r < nranks; r++) devlist[r] = (nranks - 1 - r) % gpus;
+  CHECK(ncclCommInitAll(comms, nranks, devlist));
+  for (int r = 0; r < nranks; r++) {
+    int device = -1;
+    CHECK(ncclCommCuDevice(comms[r], &device));
+    if (device != devlist[r]) {
+      fprintf(stderr, "rank %d: ncclCommCuDevice says GPU %d, devlist %d\n", r, device, devlist[r]);
+      exit(1);
+    }
+    DRV(drv_primary_retain(&ctx[r], devlist[r]));
+    DRV(drv_set_current(ctx[r]));
+    DRV(drv_stream_create(&streams[r], 1));
+    bufs[r] = device_alloc(n * 4);
+    for (size_t i = 0; i < n; i++) host[i] = value(r, i);
+    DRV(drv_htod(bufs[r], host, n * 4));
+  }
+  CHECK(ncclGroupStart());
+  for (int r = 0; r < nranks; r++) {
+    DRV(drv_set_current(ctx[r]));
+    CHECK(ncclAllReduce((void*)bufs[r], (void*)bufs[r], n, ncclInt32, ncclSum, comms[r], streams[r]));
+  }
+  CHECK(ncclGroupEnd());
+  int wrong = 0;
+  for (int r = 0; r < nranks; r++) {
+    DRV(drv_set_current(ctx[r]));
+    DRV(drv_stream_sync(streams[r]));
+    DRV(drv_dtoh(host, bufs[r], n * 4));
+    for (size_t i = 0; i < n; i++) {
+      int want = 0;
+      for (int q = 0; q < nranks; q++) want += value(q, i);
+      if (host[i] != want && wrong++ < 3) fprintf(stderr, "rank %d: element %zu\n", r, i);
+    }
+    DRV(drv_free(bufs[r]));
+    CHECK(ncclCommDestroy(comms[r]));
+    DRV(drv_stream_destroy(streams[r]));
+  }
+  free(host);
+  if (wrong) return 1;
+  printf("OK ncclCommInitAll of %d ranks on GPUs from devlist, a group of all-reduces\n", nranks);
   return 0;
 }
 
@@ -379,11 +443,17 @@ static int mismatch(ncclComm_t comm, void* stream, int rank, int nranks) {
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    fprintf(stderr, "usage: device RANK NRANKS ID_FILE collectives|abort|timeout\n");
+    fprintf(stderr, "usage: device RANK NRANKS ID_FILE MODE (see the top of device.c)\n");
     return 2;
   }
   int rank = atoi(argv[1]), nranks = atoi(argv[2]);
   void* stream = open_gpu(rank);
+  if (strcmp(argv[4], "initall") == 0) {
+    DRV(drv_stream_destroy(stream));
+    int rc = init_all(nranks);
+    nothing_left("initall");
+    return rc;
+  }
   ncclUniqueId id = share_unique_id(rank, argv[3]);
   ncclComm_t comm;
   CHECK(ncclCommInitRank(&comm, nranks, id, rank));
