@@ -60,3 +60,12 @@ fn simulated_driver_env() -> String {
         .collect();
     serde_json::Value::Object(map).to_string()
 }
+
+/// Not a test: prints the simulated driver's environment (building the driver) for
+/// `tools/device-coverage`, which runs python/tests through an instrumented extension
+/// module with the same environment this file gives pytest.
+#[test]
+#[ignore = "a helper of tools/device-coverage"]
+fn print_simulated_driver_env() {
+    println!("FERROCCL_TEST_SIM_ENV={}", simulated_driver_env());
+}
