@@ -5,6 +5,7 @@
 
 use ferroccl::{Communicator, ReduceOp};
 
+// ANCHOR: collective
 fn main() -> ferroccl::Result<()> {
     let comms = Communicator::init_all(4)?;
     std::thread::scope(|s| {
@@ -27,3 +28,4 @@ fn main() -> ferroccl::Result<()> {
         Ok(())
     })
 }
+// ANCHOR_END: collective

@@ -74,9 +74,17 @@ fn nvidia_headers() -> Result<(PathBuf, PathBuf), String> {
 
 /// Compiles `tests/c/NAME.c` with the given include directories and links it to the
 /// installed library.
+/// Builds `tests/c/<name>.c` (or `<name>.c` from the repository's root when `name` has a
+/// `/`, e.g. `examples/c/all_reduce`) against `lib`.
 fn compile(name: &str, includes: &[&Path], lib: &Path, out: &Path) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
-    let exe = out.join(name);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("tests/c");
+    let source = if name.contains('/') {
+        root.join(format!("{name}.c"))
+    } else {
+        src.join(format!("{name}.c"))
+    };
+    let exe = out.join(name.rsplit('/').next().expect("a name"));
     let mut cmd = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
     cmd.args([
         "-std=c11",
@@ -91,7 +99,7 @@ fn compile(name: &str, includes: &[&Path], lib: &Path, out: &Path) -> PathBuf {
     for inc in includes {
         cmd.arg("-I").arg(inc);
     }
-    cmd.arg(src.join(format!("{name}.c")))
+    cmd.arg(&source)
         .arg("-o")
         .arg(&exe)
         .arg("-L")
@@ -201,6 +209,10 @@ fn programs_pass(includes: &[&Path]) {
     run_all(&errors, &[vec![]], limit);
     let one_thread = compile("one_thread", includes, &lib, dir.path());
     run_all(&one_thread, &[vec!["4".into()]], limit);
+    // The example the book shows (docs/src/libnccl.md includes it).
+    let example = compile("examples/c/all_reduce", includes, &lib, dir.path());
+    let out = run_all(&example, &[vec![]], limit);
+    assert!(out[0].contains("OK (every element 10)"), "{}", out[0]);
 }
 
 #[test]
