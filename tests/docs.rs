@@ -220,10 +220,7 @@ fn variables_in_code() -> BTreeSet<String> {
                 dirs.push(path);
                 continue;
             }
-            if !path
-                .extension()
-                .is_some_and(|x| x == "rs" || x == "py")
-            {
+            if !path.extension().is_some_and(|x| x == "rs" || x == "py") {
                 continue;
             }
             let text = read(&path);
@@ -273,12 +270,18 @@ fn the_environment_page_lists_exactly_the_variables_the_code_reads() {
 #[test]
 fn the_readme_is_a_front_door() {
     let lines = read(&root().join("README.md")).lines().count();
-    assert!(lines <= 250, "README.md has {lines} lines: move the detail into the book");
+    assert!(
+        lines <= 250,
+        "README.md has {lines} lines: move the detail into the book"
+    );
 }
 
 #[test]
 fn headings_get_mdbooks_ids() {
     assert_eq!(heading_id("Channels on a GPU"), "channels-on-a-gpu");
     assert_eq!(heading_id("Across hosts: RDMA"), "across-hosts-rdma");
-    assert_eq!(heading_id("`ncclCommInitAll` (devlist)"), "ncclcomminitall-devlist");
+    assert_eq!(
+        heading_id("`ncclCommInitAll` (devlist)"),
+        "ncclcomminitall-devlist"
+    );
 }

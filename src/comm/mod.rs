@@ -34,6 +34,29 @@ use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
 /// One rank's handle on a group of ranks that run collectives together.
+///
+/// # Example
+///
+/// Four ranks as threads of this process all-reduce a vector; rank processes made by
+/// [`Communicator::from_env`] under a launcher (`ferrorun`, `torchrun`, `srun`,
+/// `mpirun`) call the same methods.
+///
+/// ```
+/// use ferroccl::{Communicator, ReduceOp};
+///
+/// let comms = Communicator::init_all(4)?;
+/// std::thread::scope(|s| {
+///     for comm in &comms {
+///         s.spawn(move || {
+///             let mine = [comm.rank() as f32; 3];
+///             let mut sum = [0.0f32; 3];
+///             comm.all_reduce(&mine, &mut sum, ReduceOp::Sum).unwrap();
+///             assert_eq!(sum, [6.0; 3]); // 0 + 1 + 2 + 3
+///         });
+///     }
+/// });
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
 pub struct Communicator {
     rank: usize,
     nranks: usize,

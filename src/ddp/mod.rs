@@ -99,6 +99,52 @@ pub struct StepTimes {
 }
 
 /// Buckets gradients and all-reduces them, overlapped with backward.
+///
+/// # Example
+///
+/// Two ranks with a one-tensor model: each hands its gradient to the reducer when
+/// backward has it final, and `finish` writes the average over the ranks into the
+/// model's gradient.
+///
+/// ```
+/// use ferroccl::ddp::{Parameters, Reducer, ReducerOptions};
+/// use ferroccl::pg::{PgOptions, ProcessGroup};
+/// use ferroccl::Communicator;
+///
+/// struct Model {
+///     weight: Vec<f32>,
+///     grad: Vec<f32>,
+/// }
+///
+/// impl Parameters for Model {
+///     fn count(&self) -> usize {
+///         1
+///     }
+///     fn param(&mut self, _: usize) -> &mut [f32] {
+///         &mut self.weight
+///     }
+///     fn grad(&mut self, _: usize) -> &mut [f32] {
+///         &mut self.grad
+///     }
+/// }
+///
+/// let comms = Communicator::init_all(2)?;
+/// std::thread::scope(|s| {
+///     for comm in comms {
+///         s.spawn(move || {
+///             let rank = comm.rank() as f32;
+///             let pg = ProcessGroup::from_communicator(comm, "default", PgOptions::default())
+///                 .unwrap();
+///             let mut model = Model { weight: vec![0.0; 3], grad: vec![rank; 3] };
+///             let mut reducer = Reducer::new(&pg, &[3], ReducerOptions::default()).unwrap();
+///             reducer.mark_ready(0, &model.grad.clone()).unwrap();
+///             reducer.finish(&mut model).unwrap();
+///             assert_eq!(model.grad, vec![0.5; 3]); // (0 + 1) / 2
+///         });
+///     }
+/// });
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
 pub struct Reducer<'g> {
     pg: &'g ProcessGroup,
     options: ReducerOptions,

@@ -8,6 +8,34 @@ use super::ProcessGroup;
 use crate::error::{Error, Result};
 
 /// A grid of ranks.
+///
+/// # Example
+///
+/// Four ranks laid out 2 × 2 (`dp` rows, `tp` columns): each rank's `tp` group is its
+/// row, its `dp` group its column.
+///
+/// ```
+/// use ferroccl::pg::{DeviceMesh, PgOptions, ProcessGroup};
+/// use ferroccl::{Communicator, ReduceOp};
+///
+/// let comms = Communicator::init_all(4)?;
+/// std::thread::scope(|s| {
+///     for comm in comms {
+///         s.spawn(move || {
+///             let rank = comm.rank();
+///             let pg = ProcessGroup::from_communicator(comm, "default", PgOptions::default())
+///                 .unwrap();
+///             let mesh = DeviceMesh::new(&pg, &[2, 2], &["dp", "tp"]).unwrap();
+///             assert_eq!(mesh.my_coordinates(), vec![rank / 2, rank % 2]);
+///             // Sum over this rank's row: ranks 2·row and 2·row + 1.
+///             let row = mesh.get_group("tp").unwrap();
+///             let sum = row.all_reduce(vec![rank as i32], ReduceOp::Sum).unwrap().wait().unwrap();
+///             assert_eq!(sum, vec![(4 * (rank / 2) + 1) as i32]);
+///         });
+///     }
+/// });
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
 pub struct DeviceMesh {
     shape: Vec<usize>,
     names: Vec<String>,

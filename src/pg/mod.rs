@@ -101,6 +101,30 @@ struct Inner {
 }
 
 /// A group of ranks running collectives asynchronously, in order.
+///
+/// # Example
+///
+/// Two ranks as threads, each with a group over its communicator: an asynchronous
+/// all-reduce returns a [`Work`] whose `wait` gives the result.
+///
+/// ```
+/// use ferroccl::pg::{PgOptions, ProcessGroup};
+/// use ferroccl::{Communicator, ReduceOp};
+///
+/// let comms = Communicator::init_all(2)?;
+/// std::thread::scope(|s| {
+///     for comm in comms {
+///         s.spawn(move || {
+///             let rank = comm.rank() as f32;
+///             let pg = ProcessGroup::from_communicator(comm, "default", PgOptions::default())
+///                 .unwrap();
+///             let work = pg.all_reduce(vec![rank + 1.0; 4], ReduceOp::Sum).unwrap();
+///             assert_eq!(work.wait().unwrap(), vec![3.0; 4]);
+///         });
+///     }
+/// });
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
 pub struct ProcessGroup {
     inner: Arc<Inner>,
     watchdog: Mutex<Option<JoinHandle<()>>>,

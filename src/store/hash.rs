@@ -10,6 +10,19 @@ use crate::error::{Error, Result};
 /// A store in process memory, for ranks that are threads of one process.
 ///
 /// Cloning gives another handle on the same data (like a second client of a server).
+///
+/// # Example
+///
+/// ```
+/// use ferroccl::store::{HashStore, Store};
+///
+/// let store = HashStore::new();
+/// let other = store.clone(); // another handle on the same data
+/// store.set("answer", b"42")?;
+/// assert_eq!(other.get("answer")?, b"42"); // waits until the key is there
+/// assert_eq!(other.add("counter", 5)?, 5);
+/// # Ok::<(), ferroccl::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct HashStore {
     shared: Arc<Shared>,
