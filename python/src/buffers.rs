@@ -174,10 +174,18 @@ fn cuda_array_elements(typestr: &str) -> Option<Elements> {
         ('f', 2) => DataType::Float16,
         ('f', 4) => DataType::Float32,
         ('f', 8) => DataType::Float64,
-        ('i' | 'u', 2) => {
+        ('c', 8) => return Some(Elements::Complex(DataType::Float32)),
+        ('c', 16) => return Some(Elements::Complex(DataType::Float64)),
+        ('i', 2) => {
             return Some(Elements::Opaque {
                 size: 2,
                 name: "int16",
+            });
+        }
+        ('u', 2) => {
+            return Some(Elements::Opaque {
+                size: 2,
+                name: "uint16",
             });
         }
         _ => return None,

@@ -39,18 +39,21 @@ check(DRIVER.cuStreamCreate(ctypes.byref(STREAM), 1), "cuStreamCreate")
 
 
 class DeviceArray:
-    """A 1-D array in device memory, exported through ``__cuda_array_interface__``."""
+    """A 1-D array in device memory, exported through ``__cuda_array_interface__``
+    (``interface`` overrides entries of the dictionary it exports; ``...`` leaves one
+    out)."""
 
-    def __init__(self, count: int, dtype: Any) -> None:
+    def __init__(self, count: int, dtype: Any, **interface: Any) -> None:
         self.dtype = np.dtype(dtype)
         self.count = count
         self.ptr = ctypes.c_uint64()
+        self.interface = interface
         nbytes = ctypes.c_size_t(max(1, count * self.dtype.itemsize))
         check(DRIVER.cuMemAlloc_v2(ctypes.byref(self.ptr), nbytes), "cuMemAlloc")
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
+        exported = {
             "shape": (self.count,),
             "typestr": self.dtype.str,
             "data": (self.ptr.value, False),
@@ -58,6 +61,12 @@ class DeviceArray:
             "strides": None,
             "stream": STREAM.value,
         }
+        for key, value in self.interface.items():
+            if value is ...:
+                del exported[key]
+            else:
+                exported[key] = value
+        return exported
 
     def upload(self, host: np.ndarray) -> None:
         data = np.ascontiguousarray(host, dtype=self.dtype)
@@ -124,6 +133,9 @@ def main() -> None:
             for a in (send, recv, gathered):
                 a.free()
             calls += 5
+    calls += every_type(comm)
+    calls += streams(comm)
+    misuse(comm)
     assert comm.failure() is None, comm.failure()
     if hasattr(DRIVER, "ferroccl_simcuda_live"):
         live = (ctypes.c_uint64 * 7)()
@@ -132,6 +144,71 @@ def main() -> None:
         # driver's device memory directly; a GPU's it could not).
         assert live[6] >= calls - 20, f"only {live[6]} kernels launched for {calls} calls"
     print(f"OK {calls} calls on CUDA Array Interface memory, GPU {RANK % _gpus.value} of {_gpus.value}")
+
+
+def every_type(comm: ferroccl.Communicator) -> int:
+    """Every element type the interface can name: the reducing ones all-reduce (bool as
+    uint8 with SUM as MAX, complex as pairs of reals), int16 only moves."""
+    calls = 0
+    for dtype in [np.uint8, np.uint32, np.int64, np.uint64, np.float16, np.bool_, np.complex64, np.complex128]:
+        inputs = [data(r, 9, dtype) for r in range(WORLD)]
+        if dtype == np.bool_:
+            want = np.logical_or.reduce(inputs)
+        else:
+            want = sum(inputs[1:], inputs[0]).astype(dtype)
+        buf = DeviceArray(9, dtype)
+        buf.upload(inputs[RANK])
+        comm.all_reduce(buf)
+        assert np.array_equal(buf.download(), want), (dtype, "all_reduce")
+        buf.free()
+        calls += 1
+    moved = DeviceArray(5, np.int16)
+    moved.upload(data(RANK, 5, np.int16))
+    comm.broadcast(moved, root=0)
+    assert np.array_equal(moved.download(), data(0, 5, np.int16)), "int16 broadcast"
+    try:
+        comm.all_reduce(moved)
+        raise AssertionError("an int16 all-reduce was accepted")
+    except ValueError as e:
+        assert "int16" in str(e), e
+    moved.free()
+    return calls + 1
+
+
+def streams(comm: ferroccl.Communicator) -> int:
+    """The stream the interface names: 1 and none are the legacy default stream."""
+    calls = 0
+    for stream in [1, None, ...]:
+        buf = DeviceArray(3, np.int32, stream=stream)
+        buf.upload(data(RANK, 3, np.int32))
+        comm.all_reduce(buf)
+        check(DRIVER.cuCtxSynchronize(), "cuCtxSynchronize")
+        assert np.array_equal(buf.download(), sum(data(r, 3, np.int32) for r in range(WORLD))), stream
+        buf.free()
+        calls += 1
+    return calls
+
+
+def misuse(comm: ferroccl.Communicator) -> None:
+    """Interfaces ferroccl cannot use, each refused naming why (every rank alike, so no
+    call starts)."""
+    cases = [
+        ({"strides": (8,)}, "strides"),
+        ({"typestr": "<U4"}, "typestr"),
+        ({"data": (0, True)}, "read-only"),
+        ({"stream": 2}, "per-thread default stream"),
+    ]
+    for override, needle in cases:
+        buf = DeviceArray(4, np.float32)
+        if "data" in override:
+            override = {"data": (buf.ptr.value, True)}
+        buf.interface.update(override)
+        try:
+            comm.all_reduce(buf)
+            raise AssertionError(f"{override} was accepted")
+        except ValueError as e:
+            assert needle in str(e), (override, e)
+        buf.free()
 
 
 main()

@@ -52,4 +52,4 @@ def test_collectives_on_cuda_array_interface_memory(world: int, gpus: int) -> No
                 out, _ = p.communicate()
             outputs.append((p.returncode, out))
     for r, (code, out) in enumerate(outputs):
-        assert code == 0 and "OK 80 calls" in out, f"rank {r} exited with {code}:\n{out[-4000:]}"
+        assert code == 0 and "OK 92 calls" in out, f"rank {r} exited with {code}:\n{out[-4000:]}"
