@@ -234,3 +234,52 @@ impl Error {
         }
     }
 }
+
+/// The reason of a communicator aborted by its owner.
+pub const ABORTED_BY_USER: &str = "aborted by the user";
+
+/// What a call is, for error messages and the deadline.
+#[derive(Clone, Debug)]
+pub struct CallInfo {
+    /// The operation's name (`all_reduce`, `group`, …).
+    pub op: &'static str,
+    /// Its sequence number on the communicator.
+    pub seq: u64,
+    /// How long it may take. The clock starts when the call first has to wait (a call
+    /// that never waits reads no clock: on a VM a clock read costs tens of
+    /// nanoseconds, a fifth of a small all-reduce).
+    pub timeout: Duration,
+}
+
+impl CallInfo {
+    /// The error `rank` returns for this call when `failure` (the rank to blame, and
+    /// what happened) ended it.
+    pub fn peer_failed(&self, rank: usize, (failed_rank, detail): (usize, String)) -> Error {
+        Error::PeerFailed {
+            op: self.op.to_string(),
+            seq: self.seq,
+            rank,
+            failed_rank,
+            detail,
+        }
+    }
+
+    /// The error `rank` returns for this call when its deadline passed after `waited`,
+    /// waiting on `waiting_on` (and, where known, on the `stalled` rank behind them).
+    pub fn timed_out(
+        &self,
+        rank: usize,
+        waiting_on: Vec<usize>,
+        stalled: Option<usize>,
+        waited: Duration,
+    ) -> Error {
+        Error::Timeout {
+            op: self.op.to_string(),
+            seq: self.seq,
+            rank,
+            waiting_on,
+            stalled,
+            waited,
+        }
+    }
+}

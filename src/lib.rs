@@ -5,28 +5,39 @@
 //! own transports. See `README.md` for the status of each part and `DESIGN.md` (in the
 //! project's shared folder) for the direction.
 //!
-//! Layers, bottom to top, one module each:
-//! - [`error`]: the one structured [`Error`] enum.
+//! Layers, bottom to top, one module each; a module uses only modules above it in this
+//! list (`tests/layers.rs` checks it, so there are no import cycles):
+//! - [`error`]: the one structured [`Error`] enum, and [`error::CallInfo`], what a call
+//!   is for its errors and deadline.
+//! - [`env`]: reading `FERROCCL_*` / `NCCL_*` variables.
 //! - [`types`]: [`DataType`] and [`ReduceOp`] with NCCL's numbering.
+//! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`, and traces.
 //! - [`store`]: the control plane ([`store::TcpStore`], PyTorch-wire-compatible, and
 //!   [`store::FileStore`], [`store::PrefixStore`], [`store::HashStore`]).
 //! - [`bootstrap`]: [`bootstrap::UniqueId`], `env://` initialisation, peer-info
 //!   all-gather and barrier.
-//! - [`plan`]: pure schedules (ring, pipelined chain, tree, direct) as step lists, and the
-//!   in-memory simulator ([`plan::sim`]) that runs them exactly.
-//! - [`transport`]: slot FIFOs between ranks, in `/dev/shm` or process memory, with a
-//!   futex doorbell per rank and peer liveness.
-//! - [`topo`]: which ranks share a host; this host's NUMA nodes and NICs; JSON dumps.
-//! - [`tune`]: the α-β cost model that picks the algorithm (ring, tree, one-shot) and the
-//!   protocol (LL, Simple) per call.
+//! - [`plan`]: pure schedules (ring, pipelined chain, tree, direct) as step lists, the
+//!   protocols their slices use, and the in-memory simulator ([`plan::sim`]) that runs
+//!   them exactly.
+//! - [`topo`]: which ranks share a host; this host's NUMA nodes, NICs and GPUs; JSON
+//!   dumps.
+//! - [`tune`]: the α-β cost model that picks the algorithm (ring, tree, one-shot,
+//!   two-shot) and the protocol (LL, Simple) per call.
 //! - [`reduce`]: host reduction kernels ([`reduce::Kernel`]) for every dtype × op.
-//! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread.
-//! - [`comm`]: the NCCL-shaped [`Communicator`].
-//! - [`launch`]: starting and supervising a node's ranks (`ferrorun`, perf tools' `-np`).
-//! - [`perf`]: the nccl-tests-compatible bus-bandwidth tools (`all_reduce_perf`, …).
-//! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`.
+//! - [`cuda`]: the one door to the GPU: the driver and NVRTC (guarded), memory, the
+//!   executor's work layout, the device calls' tuning.
+//! - [`transport`]: slot FIFOs between ranks, in `/dev/shm`, process memory, over TCP
+//!   and RDMA, and on GPUs, with a futex doorbell per rank and peer liveness.
 //! - `fault` (cargo feature `fault-injection`, for the failure-model tests): a rank that
 //!   kills or stops itself at a chosen kind of plan step.
+//! - [`engine`]: executes a plan over the FIFOs with the kernels, in the caller's thread,
+//!   and on the GPU ([`engine::device`]).
+//! - [`comm`]: the NCCL-shaped [`Communicator`].
+//! - [`launch`]: starting and supervising a node's ranks (`ferrorun`, perf tools' `-np`).
+//! - [`pg`] (`ProcessGroup`, `DeviceMesh`) and `capi` (the C ABI, feature `capi`).
+//! - [`ddp`]: the gradient reducer and sampler of data-parallel training.
+//! - [`perf`]: the nccl-tests-compatible bus-bandwidth tools (`all_reduce_perf`, …).
+//! - [`viz`]: the visualizer and simulator of plans.
 //!
 //! # Example: an all-reduce on four ranks (threads)
 //!
@@ -79,6 +90,7 @@ pub mod comm;
 pub mod cuda;
 pub mod ddp;
 pub mod engine;
+pub mod env;
 pub mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

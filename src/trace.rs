@@ -186,17 +186,15 @@ pub fn parse_level(value: &str) -> Option<LevelFilter> {
 pub fn init_from_env() {
     static INIT: Once = Once::new();
     INIT.call_once(|| {
-        let level = crate::comm::config::env_first(&["FERROCCL_DEBUG", "NCCL_DEBUG"]).map(
-            |(var, value)| {
-                parse_level(&value).unwrap_or_else(|| {
-                    eprintln!(
-                        "ferroccl: {var}={value:?} is not one of WARN, INFO, DEBUG, TRACE; \
+        let level = crate::env::env_first(&["FERROCCL_DEBUG", "NCCL_DEBUG"]).map(|(var, value)| {
+            parse_level(&value).unwrap_or_else(|| {
+                eprintln!(
+                    "ferroccl: {var}={value:?} is not one of WARN, INFO, DEBUG, TRACE; \
                          using WARN"
-                    );
-                    LevelFilter::WARN
-                })
-            },
-        );
+                );
+                LevelFilter::WARN
+            })
+        });
         let trace_dir = std::env::var_os("FERROCCL_TRACE")
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)

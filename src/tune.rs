@@ -39,8 +39,8 @@
 //! use rank 0's model (exchanged at initialisation), so they always agree.
 
 use crate::error::{Error, Result};
+use crate::plan::Protocol;
 use crate::plan::{Algorithm, Collective};
-use crate::transport::Protocol;
 
 /// Latency and bandwidth of one kind of link.
 #[derive(Clone, Copy, Debug, PartialEq)]

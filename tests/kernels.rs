@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use ferroccl::comm::{CommConfig, Communicator};
-use ferroccl::cuda::launch;
 use ferroccl::cuda::nvrtc;
 use ferroccl::cuda::work::{self, FcclFifo, FcclOp, FcclWork, FifoEnd};
+use ferroccl::engine::device as launch;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::reduce::Kernel;
 use ferroccl::transport::Protocol;

@@ -90,7 +90,7 @@ pub fn result_of(e: &Error) -> c_int {
         | Error::ValueTooLarge { .. } => INVALID_ARGUMENT,
         Error::Unsupported { .. } => INVALID_USAGE,
         Error::Cuda { .. } => UNHANDLED_CUDA_ERROR,
-        Error::Aborted { reason, .. } if reason == crate::engine::ABORTED_BY_USER => INVALID_USAGE,
+        Error::Aborted { reason, .. } if reason == crate::error::ABORTED_BY_USER => INVALID_USAGE,
         Error::PeerFailed { .. }
         | Error::Timeout { .. }
         | Error::Aborted { .. }

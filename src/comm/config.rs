@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::bootstrap::BootstrapOptions;
+use crate::env::{env_first, env_number};
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
 use crate::transport::fifo::{Geometry, Protocol};
@@ -107,32 +108,6 @@ impl Default for CommConfig {
             rdma: crate::transport::rdma::RdmaConfig::default(),
         }
     }
-}
-
-/// The first of `names` that is set, and its value.
-pub(crate) fn env_first<'a>(names: &[&'a str]) -> Option<(&'a str, String)> {
-    names
-        .iter()
-        .find_map(|&name| std::env::var(name).ok().map(|value| (name, value)))
-}
-
-/// The first of `names` that is set, read as a positive number (an error names the
-/// variable otherwise).
-pub(crate) fn env_number(names: &[&str]) -> Result<Option<f64>> {
-    let Some((name, text)) = env_first(names) else {
-        return Ok(None);
-    };
-    let v: f64 = text.trim().parse().map_err(|_| Error::Env {
-        var: name.to_string(),
-        detail: format!("{text:?} is not a number"),
-    })?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(Error::Env {
-            var: name.to_string(),
-            detail: format!("{text:?} must be positive"),
-        });
-    }
-    Ok(Some(v))
 }
 
 impl CommConfig {

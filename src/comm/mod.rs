@@ -19,12 +19,11 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 pub use config::CommConfig;
-pub(crate) use config::env_number;
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::engine::progress::{Pending, ProgressThread, Turns, pending};
-use crate::engine::{self, ABORTED_BY_USER, CallInfo, OpBuffers};
-use crate::error::{Error, Result};
+use crate::engine::{self, OpBuffers};
+use crate::error::{ABORTED_BY_USER, CallInfo, Error, Result};
 use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
@@ -85,7 +84,7 @@ pub struct Communicator {
     /// Set once a call failed while moving data, or on abort (the first reason kept).
     failure: Arc<Mutex<Option<String>>>,
     /// The device side's abort word, once there is a device side.
-    device_abort: OnceLock<crate::cuda::launch::AbortWord>,
+    device_abort: OnceLock<crate::engine::device::AbortWord>,
 }
 
 struct State {
@@ -100,7 +99,7 @@ struct State {
     /// Scratch memory of host calls (in words, for 8-byte alignment).
     scratch: Vec<u64>,
     /// The device side, made by the first call on device memory.
-    device: Option<crate::cuda::launch::Launcher>,
+    device: Option<crate::engine::device::Launcher>,
 }
 
 /// What calls are planned with: a cost model that picks each call's algorithm and
@@ -893,7 +892,7 @@ impl Communicator {
     }
 
     /// Enqueues operations on device memory on `stream` and returns at once, as NCCL
-    /// does (see [`crate::cuda::launch`]): the operations are complete when the stream
+    /// does (see [`crate::engine::device`]): the operations are complete when the stream
     /// reaches them. Several operations run as one fused plan and one launch, as a group.
     /// Failures of earlier device calls are reported here (or by
     /// [`synchronize_device`](Self::synchronize_device)).
@@ -951,7 +950,7 @@ impl Communicator {
         let mut ops = Vec::with_capacity(raws.len());
         for (raw, choice) in raws.iter().zip(&choices) {
             let (reducing, op) = raw.reduction();
-            ops.push(crate::cuda::launch::DeviceOp {
+            ops.push(crate::engine::device::DeviceOp {
                 kernel: Kernel::new(raw.dtype, op, self.nranks)?,
                 reducing,
                 input: raw.input as u64,
@@ -995,7 +994,7 @@ impl Communicator {
                 .filter(|p| p.host_id == me.host_id && p.pid != me.pid)
                 .map(|p| (p.rank, crate::transport::liveness::Liveness::watch(p.pid)))
                 .collect();
-            let launcher = crate::cuda::launch::Launcher::new(
+            let launcher = crate::engine::device::Launcher::new(
                 self.rank,
                 comm_key,
                 Box::new(on_timeout),

@@ -12,8 +12,10 @@
 //! - [`work`] lays a [`Plan`](crate::plan::Plan) out as the device executor
 //!   (`kernels/executor.cu`) reads it: the same plan the host engine, the simulator and
 //!   the visualizer consume, in a flat `#[repr(C)]` form.
-//! - [`launch`] enqueues plans on device memory on the caller's stream (NCCL's stream
-//!   semantics), over the FIFOs of [`transport::cuda_ipc`](crate::transport::cuda_ipc).
+//! - [`tuning`] chooses the channels and cost model of device calls from the GPUs.
+//! - The engine's device side (`engine::device`) enqueues plans on device memory on the
+//!   caller's stream (NCCL's stream semantics), over the FIFOs of `transport::cuda_ipc`;
+//!   both sit above this module, which is the one door to the driver.
 //! - The RAII wrappers here ([`DeviceBuffer`], [`ImportedBuffer`], [`MappedHostBuffer`],
 //!   [`Event`], [`Function`]) are the only places that call the driver for them.
 //!
@@ -21,7 +23,6 @@
 //! NVRTC and their logic runs here as host C++ (`tests/kernels.rs`); nothing that calls
 //! the driver has yet run against a GPU (`tests/gpu.rs` is ready for one).
 
-pub mod launch;
 pub mod nvrtc;
 pub mod tuning;
 pub mod work;
@@ -495,6 +496,11 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
+    /// The handle as a number (to tell contexts apart, e.g. as a key).
+    pub fn key(&self) -> usize {
+        self.0 as usize
+    }
+
     /// The context current on this thread (after [`runtime`] made sure there is one).
     pub fn current() -> Result<Self> {
         runtime()?;

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
+use crate::plan::Protocol;
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
-use crate::transport::Protocol;
 
 /// `FcclRegion`: elements `offset .. offset + len` of buffer `buf` of operation `op`.
 #[repr(C)]

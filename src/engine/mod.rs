@@ -17,18 +17,20 @@
 //! [`Error::PeerFailed`] naming the rank that failed first.
 //!
 //! Asynchronous calls run on a per-communicator progress thread ([`progress`]), in the
-//! same issue order as blocking ones.
+//! same issue order as blocking ones. Calls on device memory run the same plans on the
+//! GPU ([`device`]).
 
+pub mod device;
 pub mod progress;
 
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::{ABORTED_BY_USER, CallInfo, Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::transport::bell::Closed;
 use crate::transport::lazy::FifoNeed;
-use crate::transport::{Connections, PeerState, Protocol};
+use crate::transport::{Connections, Protocol};
 
 /// Sweeps without progress spent spinning, then yielding, before sleeping, when every
 /// rank of this machine can have a core of its own: a reply from another core arrives
@@ -74,55 +76,6 @@ pub struct OpBuffers {
     pub plain: Kernel,
     /// Whether the operation reduces (pre/post operations and reductions apply).
     pub reducing: bool,
-}
-
-/// The reason of a communicator aborted by its owner.
-pub const ABORTED_BY_USER: &str = "aborted by the user";
-
-/// What a call is, for error messages and the deadline.
-#[derive(Clone, Debug)]
-pub struct CallInfo {
-    /// The operation's name (`all_reduce`, `group`, …).
-    pub op: &'static str,
-    /// Its sequence number on the communicator.
-    pub seq: u64,
-    /// How long it may take. The clock starts when the call first has to wait (a call
-    /// that never waits reads no clock: on a VM a clock read costs tens of
-    /// nanoseconds, a fifth of a small all-reduce).
-    pub timeout: Duration,
-}
-
-impl CallInfo {
-    /// The error `rank` returns for this call when `failure` (the rank to blame, and
-    /// what happened) ended it.
-    pub fn peer_failed(&self, rank: usize, (failed_rank, detail): (usize, String)) -> Error {
-        Error::PeerFailed {
-            op: self.op.to_string(),
-            seq: self.seq,
-            rank,
-            failed_rank,
-            detail,
-        }
-    }
-
-    /// The error `rank` returns for this call when its deadline passed after `waited`,
-    /// waiting on `waiting_on` (and, where known, on the `stalled` rank behind them).
-    pub fn timed_out(
-        &self,
-        rank: usize,
-        waiting_on: Vec<usize>,
-        stalled: Option<usize>,
-        waited: Duration,
-    ) -> Error {
-        Error::Timeout {
-            op: self.op.to_string(),
-            seq: self.seq,
-            rank,
-            waiting_on,
-            stalled,
-            waited,
-        }
-    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -315,7 +268,7 @@ unsafe fn run_lanes(
         if check_process {
             last_process_check = Some(now);
         }
-        let failure = peer_failure(conns, &waiting_on, check_process);
+        let failure = conns.peer_failure(&waiting_on, check_process);
         // SAFETY: as above.
         let progressed = match unsafe { sweep(plan, lanes, ops, conns, &trace) } {
             Ok(p) => p,
@@ -350,7 +303,7 @@ unsafe fn run_lanes(
                 .filter(|&s| Some(&s) != waiting_on.first());
             // While this rank watched, a peer may have found and named the culprit.
             if stalled.is_none()
-                && let Some(failure) = peer_failure(conns, &waiting_on, true)
+                && let Some(failure) = conns.peer_failure(&waiting_on, true)
             {
                 return Err(call.peer_failed(conns.rank(), failure));
             }
@@ -367,34 +320,6 @@ unsafe fn run_lanes(
         conns.stop_reading();
         conns.bell().sleep(seq, nap);
     }
-}
-
-/// The first failure among the peers: those this rank waits on (any way they can fail),
-/// then every other peer that aborted because some rank failed, so that news of a
-/// failure spreads to every rank at once. Returns the rank that failed first and what
-/// happened.
-pub(crate) fn peer_failure(
-    conns: &Connections,
-    waiting_on: &[usize],
-    check_process: bool,
-) -> Option<(usize, String)> {
-    let others = (0..conns.nranks()).filter(|p| *p != conns.rank() && !waiting_on.contains(p));
-    for (peer, waited) in waiting_on
-        .iter()
-        .map(|&p| (p, true))
-        .chain(others.map(|p| (p, false)))
-    {
-        let state = conns.peer_state(peer, check_process && waited);
-        // Of a peer not waited on, only a failure it reports counts: it may well have
-        // finished and gone.
-        if !waited && !matches!(state, PeerState::Closed(Closed::PeerFailed(_))) {
-            continue;
-        }
-        if let Some(failure) = state.failure(peer) {
-            return Some(failure);
-        }
-    }
-    None
 }
 
 /// The operation a step's regions belong to.

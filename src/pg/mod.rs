@@ -64,7 +64,7 @@ impl PgOptions {
     /// Defaults with the environment variables applied.
     pub fn from_env() -> Result<Self> {
         let mut o = PgOptions::default();
-        let number = |var: &str| crate::comm::env_number(&[var]);
+        let number = |var: &str| crate::env::env_number(&[var]);
         if let Some(v) = number("FERROCCL_PG_TIMEOUT")? {
             o.timeout = Duration::try_from_secs_f64(v).map_err(|_| Error::Env {
                 var: "FERROCCL_PG_TIMEOUT".into(),
@@ -668,7 +668,7 @@ impl ProcessGroup {
         let (rank, failure) = (self.rank(), self.inner.comm.failure());
         drop(self);
         match failure {
-            Some(reason) if reason != crate::engine::ABORTED_BY_USER => {
+            Some(reason) if reason != crate::error::ABORTED_BY_USER => {
                 Err(Error::Aborted { rank, reason })
             }
             _ => Ok(()),

@@ -27,6 +27,8 @@
 //!   one chunk ahead of its receiver.
 //! - Steps with no elements are left out (on both ends alike).
 
+mod protocol;
+pub use protocol::Protocol;
 pub mod sim;
 pub mod tree;
 

@@ -53,36 +53,7 @@ pub const DATA_OFFSET: usize = 4096;
 /// Most slots a FIFO can have (their byte counts must fit before [`DATA_OFFSET`]).
 pub const MAX_SLOTS: usize = (DATA_OFFSET - SIZES) / 4;
 
-/// How a FIFO publishes its slots (see the [module documentation](self)).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Protocol {
-    /// Data, byte count, then the `head` counter: full bandwidth.
-    #[default]
-    Simple,
-    /// A flag in every 8-byte line: low latency, half the bandwidth.
-    LL,
-}
-
-impl Protocol {
-    /// Every protocol, in the order the cost model prefers on ties.
-    pub const ALL: [Protocol; 2] = [Protocol::Simple, Protocol::LL];
-
-    /// Its position in [`Protocol::ALL`], for tables kept per protocol.
-    pub fn index(&self) -> usize {
-        match self {
-            Protocol::Simple => 0,
-            Protocol::LL => 1,
-        }
-    }
-
-    /// NCCL's name for it (`Simple`, `LL`).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Protocol::Simple => "Simple",
-            Protocol::LL => "LL",
-        }
-    }
-}
+pub use crate::plan::Protocol;
 
 /// Bytes of one LL line: 4 of data, 4 of flag.
 const LL_LINE: usize = 8;

@@ -26,9 +26,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bell::Closed;
+use super::routes::{Routes, fifo_segment_name};
 use super::segment::{Segment, SegmentKind};
-use super::{Connections, CreatedNames, Geometry, Protocol, fifo, fifo_segment_name};
-use crate::engine::CallInfo;
+use super::shm::CreatedNames;
+use super::{Connections, Geometry, Protocol, TransportConfig, fifo};
+use crate::error::CallInfo;
 use crate::error::{Error, Result};
 use crate::store::Store;
 
@@ -43,6 +45,27 @@ pub(super) struct LazyFifos {
     pub(super) kinds: Vec<Option<SegmentKind>>,
     /// The FIFO format of each protocol ([`Protocol::index`]), if it exists.
     pub(super) formats: [Option<Geometry>; 2],
+}
+
+impl LazyFifos {
+    /// What this rank needs to make FIFOs to its local peers on first use.
+    pub(super) fn new(
+        boot: &crate::bootstrap::Bootstrap,
+        routes: &Routes,
+        config: &TransportConfig,
+    ) -> Self {
+        LazyFifos {
+            store: boot.store().clone(),
+            kinds: (0..routes.nranks)
+                .map(|p| {
+                    let path = routes.to(p);
+                    (!path.is_network()).then(|| path.segment_kind())
+                })
+                .collect(),
+            formats: [Some(config.geometry), config.ll],
+            prefix: routes.prefix.clone(),
+        }
+    }
 }
 
 /// What one call needs of a FIFO: its protocol, channel, and the peer it sends to and
@@ -325,7 +348,7 @@ impl Connections {
             }
             // The peer, or any rank that reports a failure (a dead peer on another host
             // has no link to show it yet: its neighbours report it).
-            if let Some((failed_rank, detail)) = crate::engine::peer_failure(self, &[peer], true) {
+            if let Some((failed_rank, detail)) = self.peer_failure(&[peer], true) {
                 return Err(call.peer_failed(
                     self.rank,
                     (failed_rank, format!("{detail}, while connecting")),
@@ -337,7 +360,7 @@ impl Connections {
             if self.bell.closed() != Closed::Open {
                 return Err(Error::Aborted {
                     rank: self.rank,
-                    reason: crate::engine::ABORTED_BY_USER.into(),
+                    reason: crate::error::ABORTED_BY_USER.into(),
                 });
             }
         }

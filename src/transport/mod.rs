@@ -26,22 +26,22 @@ pub mod lazy;
 pub mod liveness;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+mod routes;
 pub mod segment;
+mod shm;
 pub mod tcp;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bell::{BELL_BYTES, Bell, Closed};
+use bell::{Bell, Closed};
 pub use fifo::Protocol;
 use fifo::{Geometry, RecvEnd, SendEnd};
 use liveness::Liveness;
-use segment::{Segment, SegmentKind};
 pub use tcp::Striping;
 use tcp::{LinkState, TcpLink};
 
-use crate::bootstrap::{Bootstrap, netif};
+use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::plan::P2P_CHANNEL;
 
@@ -119,6 +119,31 @@ pub struct TransportConfig {
     /// RDMA settings.
     #[cfg(feature = "rdma")]
     pub rdma: rdma::RdmaConfig,
+}
+
+impl TransportConfig {
+    /// Checks the FIFO formats and that every ring lists all `nranks` ranks.
+    fn validate(&self, nranks: usize) -> Result<()> {
+        self.geometry.validate()?;
+        if self.geometry.protocol != Protocol::Simple
+            || self.ll.is_some_and(|g| g.protocol != Protocol::LL)
+        {
+            return Err(Error::invalid(format!(
+                "transport: FIFO formats {:?} and {:?} are not Simple and LL",
+                self.geometry, self.ll
+            )));
+        }
+        if let Some(ll) = self.ll {
+            ll.validate()?;
+        }
+        let channels = self.rings.len();
+        if channels == 0 || self.rings.iter().any(|r| r.len() != nranks) {
+            return Err(Error::invalid(format!(
+                "transport: {channels} rings, each must list all {nranks} ranks"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The RDMA device ports the ranks of this host would use for peers on other hosts, as
@@ -292,35 +317,70 @@ impl std::fmt::Debug for Connections {
     }
 }
 
-/// The name of the segment of the FIFO of format `g` on channel index `ci` (of
-/// `channels`; the last is point-to-point) from rank `from` to rank `to`.
-fn fifo_segment_name(
-    prefix: &str,
-    g: Geometry,
-    ci: usize,
-    channels: usize,
-    from: usize,
-    to: usize,
-) -> String {
-    let ll = if g.protocol == Protocol::LL { "l" } else { "" };
-    let chan = if ci == channels {
-        "p".to_string()
-    } else {
-        ci.to_string()
-    };
-    format!("{prefix}-f{chan}{ll}-{from}-{to}")
+/// The FIFO ends and network links a rank's connection phases make.
+pub(crate) struct Ends {
+    /// `[protocol index][channel index][peer]`.
+    pub(crate) sends: Vec<Vec<Vec<Option<SendEnd>>>>,
+    /// `[protocol index][channel index][peer]`.
+    pub(crate) recvs: Vec<Vec<Vec<Option<RecvEnd>>>>,
+    /// `[channel index][peer]`.
+    links: Vec<Vec<Option<NetLink>>>,
 }
 
-/// Names created by this rank, removed when dropped (on success after the final
-/// barrier, on failure right away).
-struct CreatedNames(Vec<(SegmentKind, String)>);
-
-impl Drop for CreatedNames {
-    fn drop(&mut self) {
-        for (kind, name) in self.0.drain(..) {
-            Segment::unlink(kind, &name);
+impl Ends {
+    /// None yet, for `channels` ring channels (and the point-to-point one) and `nranks`.
+    fn new(channels: usize, nranks: usize) -> Self {
+        Ends {
+            recvs: (0..2).map(|_| table(channels + 1, nranks)).collect(),
+            sends: (0..2).map(|_| table(channels + 1, nranks)).collect(),
+            links: table(channels + 1, nranks),
         }
     }
+}
+
+/// Says at INFO how this rank reaches its peers.
+fn log_routes(
+    routes: &routes::Routes,
+    config: &TransportConfig,
+    net: &NetDevice,
+    tcp_links: usize,
+) {
+    use routes::Path;
+    let (rank, nranks) = (routes.rank, routes.nranks);
+    let tcp = routes.via(Path::Tcp);
+    let rdma = routes.via(Path::Rdma);
+    if !tcp.is_empty()
+        && let Some(why) = &net.unusable
+    {
+        tracing::info!("rank {rank}: no RDMA ({why}); peers on other hosts use TCP");
+    }
+    let ll = match config.ll {
+        Some(g) if nranks == 1 || tcp.len() + rdma.len() < nranks - 1 => {
+            format!(
+                "of {} x {} B (between ranks of one host)",
+                g.slots,
+                g.payload()
+            )
+        }
+        Some(_) => "unused (every peer is on another host)".to_string(),
+        None => "off".to_string(),
+    };
+    tracing::info!(
+        "rank {rank}: peers {:?} via shared memory, {:?} in process, {rdma:?} via RDMA{}, \
+         {tcp:?} via TCP ({tcp_links} links of {} threads x {} sockets); {} channel(s), \
+         FIFOs of {} x {} B, LL FIFOs {ll}",
+        routes.via(Path::Shm),
+        routes.via(Path::InProcess),
+        net.device
+            .as_deref()
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default(),
+        config.striping.threads,
+        config.striping.sockets_per_thread,
+        routes.channels,
+        config.geometry.slots,
+        config.geometry.slot_bytes,
+    );
 }
 
 /// A `rows` × `cols` table of empty cells.
@@ -330,457 +390,72 @@ fn table<T>(rows: usize, cols: usize) -> Vec<Vec<Option<T>>> {
         .collect()
 }
 
-/// How two ranks are connected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    InProcess,
-    Shm,
-    Tcp,
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    Rdma,
-}
-
 impl Connections {
     /// Connects this rank to its peers (collective: every rank of `boot` must call it
-    /// with the same configuration).
+    /// with the same configuration), in phases: decide how each peer is reached
+    /// ([`routes`]), make this rank's shared memory ([`shm`]), connect TCP ([`tcp`]),
+    /// connect RDMA (`rdma`), open the local peers' shared memory, agree on CPU
+    /// sharing; FIFOs beyond the rings are made on first use ([`lazy`]).
     pub fn establish(boot: &Bootstrap, config: &TransportConfig) -> Result<Self> {
-        config.geometry.validate()?;
-        if config.geometry.protocol != Protocol::Simple
-            || config.ll.is_some_and(|g| g.protocol != Protocol::LL)
-        {
-            return Err(Error::invalid(format!(
-                "transport: FIFO formats {:?} and {:?} are not Simple and LL",
-                config.geometry, config.ll
-            )));
-        }
-        if let Some(ll) = config.ll {
-            ll.validate()?;
-        }
-        let (rank, nranks) = (boot.rank(), boot.world_size());
-        let peers = boot.peers();
-        let me = &peers[rank];
-        let channels = config.rings.len();
-        if channels == 0 || config.rings.iter().any(|r| r.len() != nranks) {
-            return Err(Error::invalid(format!(
-                "transport: {channels} rings, each must list all {nranks} ranks"
-            )));
-        }
-        let hosts = config.choice.host_labels(peers);
-        // RDMA is tried by ranks with a peer on another host, unless TCP is asked for.
-        let wants_rdma = config.choice != TransportChoice::Tcp
-            && config.net != NetChoice::Socket
-            && (0..nranks).any(|r| hosts[r] != hosts[rank]);
+        config.validate(boot.world_size())?;
+        let rank = boot.rank();
+        let hosts = config.choice.host_labels(boot.peers());
         // This rank's place among the ranks of its host: they take the RDMA ports in turn.
         let local_rank = (0..rank).filter(|&r| hosts[r] == hosts[rank]).count();
         #[cfg_attr(not(feature = "rdma"), allow(unused_mut))]
-        let mut net = NetDevice::open(config, rank, local_rank, wants_rdma);
-        let mut hello = rand::random::<[u8; 8]>().to_vec();
-        hello.push(u8::from(net.usable()));
-        let rdma_flag_at = hello.len() - 1;
-        hello.extend_from_slice(&net.gbps.to_le_bytes());
-        let addr_at = hello.len();
-        // Filled from the gathered hellos below, before `path` is first used.
-        let mut rdma_ranks = vec![false; nranks];
-        rdma_ranks[rank] = net.usable();
-        let path = |a: usize, b: usize, rdma_ranks: &[bool]| -> Path {
-            if a == b {
-                Path::InProcess
-            } else if hosts[a] != hosts[b] {
-                if rdma_ranks[a] && rdma_ranks[b] {
-                    Path::Rdma
-                } else {
-                    Path::Tcp
-                }
-            } else if config.choice == TransportChoice::Shm || peers[a].pid != peers[b].pid {
-                Path::Shm
-            } else {
-                Path::InProcess
-            }
-        };
-        let kind_of = |p: Path| match p {
-            Path::Shm => SegmentKind::Shm,
-            _ => SegmentKind::InProcess,
-        };
-
-        // A name space for this communicator's segments, chosen by rank 0, and every
-        // rank's TCP listening address (opened whenever a peer is on another host: which
-        // of them RDMA reaches is known only once every rank has said).
-        let listener = if (0..nranks).any(|r| hosts[r] != hosts[rank]) {
-            let ip = netif::listen_addr(boot.store_addr())?;
-            Some(
-                TcpListener::bind(SocketAddr::new(ip, 0))
-                    .map_err(|e| Error::io(format!("listen for peers on {ip}"), e))?,
-            )
-        } else {
-            None
-        };
-        if let Some(l) = &listener {
-            let addr = l
-                .local_addr()
-                .map_err(|e| Error::io("listener address", e))?;
-            hello.extend_from_slice(addr.to_string().as_bytes());
-        }
-        let all = boot.all_gather(&hello)?;
-        let nonce = all[0].get(..8).ok_or_else(|| Error::BootstrapData {
-            rank: 0,
-            detail: "segment name nonce is not 8 bytes".into(),
-        })?;
-        let mut rdma_gbps = f64::INFINITY;
-        for (r, bytes) in all.iter().enumerate() {
-            rdma_ranks[r] = bytes.get(rdma_flag_at).copied().unwrap_or(0) == 1;
-            if rdma_ranks[r] {
-                let speed = bytes
-                    .get(rdma_flag_at + 1..addr_at)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0.0, f64::from_le_bytes);
-                rdma_gbps = rdma_gbps.min(speed);
-            }
-        }
-        net.check_everyone_has_it(config.net, &rdma_ranks, &hosts, rank)?;
-        let path = |a: usize, b: usize| path(a, b, &rdma_ranks);
-        // Every rank computes the same: RDMA's speed counts when every pair of ranks on
-        // different hosts talks over it (the slowest device of the job).
-        let cross: Vec<(usize, usize)> = (0..nranks)
-            .flat_map(|a| (0..nranks).map(move |b| (a, b)))
-            .filter(|&(a, b)| hosts[a] != hosts[b])
-            .collect();
-        let rdma_link_gbps = (!cross.is_empty()
-            && cross.iter().all(|&(a, b)| path(a, b) == Path::Rdma)
-            && rdma_gbps.is_finite()
-            && rdma_gbps > 0.0)
-            .then_some(rdma_gbps);
-        // The communicator's key: its TCP connections present it, strangers cannot.
-        let job_key: tcp::JobKey = nonce.try_into().expect("8 bytes");
-        let prefix = format!(
-            "ferroccl-{}-{:016x}",
-            peers[0].pid,
-            u64::from_le_bytes(nonce.try_into().expect("8 bytes"))
+        let mut net = NetDevice::open(
+            config,
+            rank,
+            local_rank,
+            routes::wants_rdma(config, &hosts, rank),
         );
-        let tcp_addr = |r: usize| -> Result<SocketAddr> {
-            std::str::from_utf8(all[r].get(addr_at..).unwrap_or_default())
-                .ok()
-                .and_then(|t| t.parse().ok())
-                .ok_or_else(|| Error::BootstrapData {
-                    rank: r,
-                    detail: "no TCP address published".into(),
-                })
-        };
-        // Shared memory users of a rank's bell: its peers on this host not over TCP.
-        let bell_kind = |owner: usize| {
-            if (0..nranks).any(|r| path(owner, r) == Path::Shm) {
-                SegmentKind::Shm
-            } else {
-                SegmentKind::InProcess
-            }
-        };
-        // Every FIFO format in use: Simple always, LL when configured.
+        let listener = routes::listen_for_other_hosts(boot, &hosts)?;
+        let routes = routes::Routes::agree(boot, config, &net, listener.as_ref())?;
+        let mut ends = Ends::new(routes.channels, routes.nranks);
         let formats: Vec<Geometry> = std::iter::once(config.geometry).chain(config.ll).collect();
-        let fifo_name = |g: Geometry, ci: usize, from: usize, to: usize| {
-            fifo_segment_name(&prefix, g, ci, channels, from, to)
-        };
-        let bell_name = |owner: usize| format!("{prefix}-b{owner}");
-        // Peers this rank links to over the network (both ways) on channel index `ci`:
-        // every one, made at establishment (rings use two neighbours, trees parents and
-        // children, direct algorithms everyone; point-to-point calls any rank).
-        let neighbours = |ci: usize| -> Vec<usize> {
-            if ci == channels {
-                (0..nranks).collect()
-            } else {
-                (0..nranks).filter(|&r| r != rank).collect()
-            }
-        };
-
-        let mut created = CreatedNames(Vec::new());
-        let mut recvs: Vec<Vec<Vec<Option<RecvEnd>>>> =
-            (0..2).map(|_| table(channels + 1, nranks)).collect();
-        let mut sends: Vec<Vec<Vec<Option<SendEnd>>>> =
-            (0..2).map(|_| table(channels + 1, nranks)).collect();
-        let mut links: Vec<Vec<Option<NetLink>>> = table(channels + 1, nranks);
-        // Made now, between ranks of this host: only the FIFOs every ring uses, from the
-        // previous rank of each channel's ring and to the next, in every format: (format,
-        // channel index, peer). Trees, direct algorithms and point-to-point calls make
-        // theirs on first use (see `lazy`): memory grows with the peers used, not with
-        // the square of the ranks.
-        let local = |p: usize| p != rank && !matches!(path(rank, p), Path::Tcp | Path::Rdma);
-        let mut eager_recv: Vec<(Geometry, usize, usize)> = Vec::new();
-        let mut eager_send: Vec<(Geometry, usize, usize)> = Vec::new();
-        for &g in &formats {
-            for (ci, ring) in config.rings.iter().enumerate() {
-                let at = ring
-                    .iter()
-                    .position(|&r| r == rank)
-                    .expect("every rank in every ring");
-                let (prev, next) = (ring[(at + nranks - 1) % nranks], ring[(at + 1) % nranks]);
-                if local(prev) {
-                    eager_recv.push((g, ci, prev));
-                }
-                if local(next) {
-                    eager_send.push((g, ci, next));
-                }
-            }
-        }
-        // This rank's bell and the FIFOs it receives on.
-        let mut make_shared_memory = || -> Result<(Bell, Arc<Bell>)> {
-            let bell_seg = Segment::create(bell_kind(rank), &bell_name(rank), BELL_BYTES)?;
-            created.0.push((bell_kind(rank), bell_name(rank)));
-            let bell = Bell::new(bell_seg);
-            // A second view of our own bell for the TCP proxies, which ring it.
-            let proxy_view = Arc::new(Bell::new(Segment::open(
-                bell_kind(rank),
-                &bell_name(rank),
-                BELL_BYTES,
-            )?));
-            for &(g, ci, from) in &eager_recv {
-                let (kind, name) = (kind_of(path(from, rank)), fifo_name(g, ci, from, rank));
-                let seg = Segment::create(kind, &name, g.segment_bytes())?;
-                created.0.push((kind, name));
-                recvs[g.protocol.index()][ci][from] = Some(fifo::recv_end(seg, g)?);
-            }
-            Ok((bell, proxy_view))
-        };
-        let made = make_shared_memory();
-        // Every rank says whether that worked, so that one rank's failure (a full
-        // /dev/shm) is every rank's error now, not a wait at the next rendezvous.
-        let status = match &made {
-            Ok(_) => Vec::new(),
-            Err(e) => e.to_string().into_bytes(),
-        };
-        let all_status = boot.all_gather(&status)?;
-        let (bell, proxy_view) = made?;
-        if let Some((r, why)) = all_status.iter().enumerate().find(|(_, s)| !s.is_empty()) {
-            return Err(Error::PeerFailed {
-                op: "init".into(),
-                seq: 0,
-                rank,
-                failed_rank: r,
-                detail: format!(
-                    "rank {r} could not make its shared memory: {}",
-                    String::from_utf8_lossy(why)
-                ),
-            });
-        }
-
-        // TCP: one socket per channel and pair of ranks, opened by the lower rank.
-        let mut tcp_pairs: Vec<(usize, usize)> = Vec::new();
-        for ci in 0..=channels {
-            for peer in neighbours(ci) {
-                if path(rank, peer) == Path::Tcp {
-                    tcp_pairs.push((ci, peer));
-                }
-            }
-        }
-        let deadline = Instant::now() + config.connect_timeout;
-        let striping = config.striping;
-        let nsocks = striping.sockets();
-        // `[channel index][peer][socket]`.
-        let mut streams: Vec<Vec<Vec<Option<TcpStream>>>> = (0..=channels)
-            .map(|_| {
-                (0..nranks)
-                    .map(|_| (0..nsocks).map(|_| None).collect())
-                    .collect()
-            })
-            .collect();
-        for &(ci, peer) in tcp_pairs.iter().filter(|(_, p)| *p > rank) {
-            for (sock, cell) in streams[ci][peer].iter_mut().enumerate() {
-                let stream =
-                    tcp::connect(tcp_addr(peer)?, job_key, rank, ci, sock, striping, deadline)
-                        .map_err(|e| {
-                            Error::io(
-                                format!("connect to rank {peer} (channel {ci}, socket {sock})"),
-                                e,
-                            )
-                        })?;
-                *cell = Some(stream);
-            }
-        }
-        let expected = nsocks * tcp_pairs.iter().filter(|(_, p)| *p < rank).count();
-        if let Some(l) = &listener {
-            for a in tcp::accept(l, job_key, expected, deadline, nranks, channels, striping)
-                .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
-            {
-                let cell = &mut streams[a.channel][a.peer][a.socket];
-                if !tcp_pairs.contains(&(a.channel, a.peer)) || a.peer >= rank || cell.is_some() {
-                    return Err(Error::BootstrapData {
-                        rank: a.peer,
-                        detail: format!(
-                            "unexpected TCP connection for channel {}, socket {}",
-                            a.channel, a.socket
-                        ),
-                    });
-                }
-                *cell = Some(a.stream);
-            }
-        }
-        for &(ci, peer) in &tcp_pairs {
-            let socks: Vec<TcpStream> = streams[ci][peer]
-                .iter_mut()
-                .filter_map(Option::take)
-                .collect();
-            let chan = if ci == channels {
-                "p".to_string()
-            } else {
-                ci.to_string()
-            };
-            let tag = format!("r{rank}-c{chan}-p{peer}");
-            let (link, tx, rx) = TcpLink::start(
-                socks,
-                striping,
-                config.geometry,
-                proxy_view.clone(),
-                &tag,
-                config.link_timeout,
-            )?;
-            sends[0][ci][peer] = Some(tx);
-            recvs[0][ci][peer] = Some(rx);
-            links[ci][peer] = Some(NetLink::Tcp(link));
-        }
+        let shm = shm::SharedMemory::create(boot, &routes, &config.rings, &formats, &mut ends)?;
+        let tcp_links =
+            tcp::connect_links(&routes, config, listener.as_ref(), &shm.own_bell, &mut ends)?;
         #[cfg(feature = "rdma")]
-        let rdma_net = {
-            // Collective whenever any two ranks of the job talk over RDMA.
-            let any_rdma = (0..nranks).any(|a| (0..nranks).any(|b| path(a, b) == Path::Rdma));
-            // Every link this rank may have; only the rings' (from the previous rank of
-            // each channel's ring, to the next) are made now, the others on first use
-            // (see `lazy`), so that registered memory grows with the peers used.
-            let specs: Vec<rdma::LinkSpec> = (0..=channels)
-                .flat_map(|ci| {
-                    neighbours(ci)
-                        .into_iter()
-                        .filter(|&p| path(rank, p) == Path::Rdma)
-                        .map(move |peer| rdma::LinkSpec { channel: ci, peer })
-                })
-                .collect();
-            let ring_neighbour = |spec: &rdma::LinkSpec| {
-                config.rings.get(spec.channel).is_some_and(|ring| {
-                    let at = ring.iter().position(|&r| r == rank).expect("in every ring");
-                    let n = ring.len();
-                    spec.peer == ring[(at + 1) % n] || spec.peer == ring[(at + n - 1) % n]
-                })
-            };
-            let eager: Vec<usize> = (0..specs.len())
-                .filter(|&i| ring_neighbour(&specs[i]))
-                .collect();
-            if any_rdma {
-                let (rdma_net, ends) = rdma::RdmaNet::establish(
-                    boot,
-                    net.nic.take(),
-                    &config.rdma,
-                    config.geometry,
-                    specs.clone(),
-                    &eager,
-                    proxy_view.clone(),
-                    config.link_timeout,
-                )?;
-                for (i, tx, rx) in ends {
-                    let spec = specs[i];
-                    sends[0][spec.channel][spec.peer] = Some(tx);
-                    recvs[0][spec.channel][spec.peer] = Some(rx);
-                    let link = rdma_net.as_ref().expect("links need the net").link(i);
-                    links[spec.channel][spec.peer] = Some(NetLink::Rdma(link));
-                }
-                rdma_net
-            } else {
-                None
-            }
-        };
+        let rdma_net = rdma::connect_links(
+            boot,
+            &routes,
+            config,
+            net.nic.take(),
+            &shm.own_bell,
+            &mut ends,
+        )?;
         boot.barrier()?;
-
-        let mut peer_bells: Vec<Option<Bell>> = (0..nranks).map(|_| None).collect();
-        let mut liveness: Vec<Option<Liveness>> = (0..nranks).map(|_| None).collect();
-        for peer in
-            (0..nranks).filter(|&r| r != rank && !matches!(path(rank, r), Path::Tcp | Path::Rdma))
-        {
-            let seg = Segment::open(bell_kind(peer), &bell_name(peer), BELL_BYTES)?;
-            peer_bells[peer] = Some(Bell::new(seg));
-            liveness[peer] = Some(if peers[peer].pid == me.pid {
-                Liveness::SameProcess
-            } else {
-                Liveness::watch(peers[peer].pid)
-            });
-        }
-        for &(g, ci, to) in &eager_send {
-            let (kind, name) = (kind_of(path(rank, to)), fifo_name(g, ci, rank, to));
-            let seg = Segment::open(kind, &name, g.segment_bytes())?;
-            sends[g.protocol.index()][ci][to] = Some(fifo::send_end(seg, g, &name)?);
-        }
+        let (peer_bells, liveness) = shm.open_peers(&routes, boot.peers(), &mut ends)?;
         // Every rank says which machine it runs on and which of its CPUs it may use
         // (this also waits for every rank to have opened its FIFOs).
-        let mine = CpuShare::here();
-        let all = boot
-            .all_gather(&mine.encode())?
-            .iter()
-            .enumerate()
-            .map(|(r, bytes)| CpuShare::decode(r, bytes))
-            .collect::<Result<Vec<_>>>()?;
+        let oversubscribed = CpuShare::oversubscribed_here(boot)?;
+        let shm::SharedMemory {
+            bell,
+            own_bell,
+            created,
+            ..
+        } = shm;
         drop(created);
-        let oversubscribed = oversubscribed(&all, &mine);
-        let via = |p: Path| -> Vec<usize> {
-            (0..nranks)
-                .filter(|&r| r != rank && path(rank, r) == p)
-                .collect()
-        };
-        if !via(Path::Tcp).is_empty()
-            && let Some(why) = &net.unusable
-        {
-            tracing::info!("rank {rank}: no RDMA ({why}); peers on other hosts use TCP");
-        }
-        tracing::info!(
-            "rank {rank}: peers {:?} via shared memory, {:?} in process, {:?} via RDMA{}, \
-             {:?} via TCP ({} links of {} threads x {} sockets); {channels} channel(s), FIFOs \
-             of {} x {} B, LL FIFOs {}",
-            via(Path::Shm),
-            via(Path::InProcess),
-            via(Path::Rdma),
-            net.device
-                .as_deref()
-                .map(|d| format!(" ({d})"))
-                .unwrap_or_default(),
-            via(Path::Tcp),
-            tcp_pairs.len(),
-            striping.threads,
-            striping.sockets_per_thread,
-            config.geometry.slots,
-            config.geometry.slot_bytes,
-            match config.ll {
-                Some(g)
-                    if nranks == 1 || via(Path::Tcp).len() + via(Path::Rdma).len() < nranks - 1 =>
-                    format!(
-                        "of {} x {} B (between ranks of one host)",
-                        g.slots,
-                        g.payload()
-                    ),
-                Some(_) => "unused (every peer is on another host)".to_string(),
-                None => "off".to_string(),
-            },
-        );
-        let lazy = lazy::LazyFifos {
-            store: boot.store().clone(),
-            kinds: (0..nranks)
-                .map(|p| {
-                    (!matches!(path(rank, p), Path::Tcp | Path::Rdma))
-                        .then(|| kind_of(path(rank, p)))
-                })
-                .collect(),
-            formats: [Some(config.geometry), config.ll],
-            prefix,
-        };
+        log_routes(&routes, config, &net, tcp_links);
         Ok(Connections {
-            lazy,
+            lazy: lazy::LazyFifos::new(boot, &routes, config),
             rank,
-            nranks,
-            channels,
-            sends,
-            recvs,
+            nranks: routes.nranks,
+            channels: routes.channels,
+            sends: ends.sends,
+            recvs: ends.recvs,
             bell,
             peer_bells,
             liveness,
-            links,
+            links: ends.links,
             #[cfg(feature = "rdma")]
             rdma: rdma_net,
-            own_bell: proxy_view,
+            own_bell,
             geometry: config.geometry,
             ll: config.ll,
             oversubscribed,
-            rdma_link_gbps,
+            rdma_link_gbps: routes.rdma_link_gbps,
         })
     }
 
@@ -955,6 +630,34 @@ impl Connections {
     fn link(&self, channel: usize, peer: usize) -> Option<&NetLink> {
         let ci = self.channel_index(channel)?;
         self.links.get(ci)?.get(peer)?.as_ref()
+    }
+
+    /// The first failure among the peers: those this rank waits on (any way they can fail),
+    /// then every other peer that aborted because some rank failed, so that news of a
+    /// failure spreads to every rank at once. Returns the rank that failed first and what
+    /// happened.
+    pub(crate) fn peer_failure(
+        &self,
+        waiting_on: &[usize],
+        check_process: bool,
+    ) -> Option<(usize, String)> {
+        let others = (0..self.nranks()).filter(|p| *p != self.rank() && !waiting_on.contains(p));
+        for (peer, waited) in waiting_on
+            .iter()
+            .map(|&p| (p, true))
+            .chain(others.map(|p| (p, false)))
+        {
+            let state = self.peer_state(peer, check_process && waited);
+            // Of a peer not waited on, only a failure it reports counts: it may well have
+            // finished and gone.
+            if !waited && !matches!(state, PeerState::Closed(Closed::PeerFailed(_))) {
+                continue;
+            }
+            if let Some(failure) = state.failure(peer) {
+                return Some(failure);
+            }
+        }
+        None
     }
 
     /// What this rank can tell about `peer`. `check_process` also asks the kernel
@@ -1155,6 +858,20 @@ struct CpuShare {
 }
 
 impl CpuShare {
+    /// Whether the ranks on this rank's machine outnumber the CPUs they may use
+    /// (collective: every rank says which machine it runs on and which of its CPUs it
+    /// may use; see [`oversubscribed`]).
+    fn oversubscribed_here(boot: &Bootstrap) -> Result<bool> {
+        let mine = CpuShare::here();
+        let all = boot
+            .all_gather(&mine.encode())?
+            .iter()
+            .enumerate()
+            .map(|(r, bytes)| CpuShare::decode(r, bytes))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(oversubscribed(&all, &mine))
+    }
+
     /// Most CPUs accepted from a peer.
     const MAX_CPUS: usize = 1 << 16;
 

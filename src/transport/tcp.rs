@@ -1141,6 +1141,110 @@ const INTRO_BYTES: usize = 8 + 16;
 /// only a stranger that says nothing waits this long.
 const INTRO_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// The TCP phase of connecting a rank: one link per channel index and peer on another
+/// host that RDMA does not reach, each over `striping.sockets()` sockets opened by the
+/// lower rank and accepted on `listener` by the higher. The links' FIFO ends go into
+/// `ends`; their proxies ring `own_bell`. Returns how many links were made.
+pub(super) fn connect_links(
+    routes: &super::routes::Routes,
+    config: &super::TransportConfig,
+    listener: Option<&std::net::TcpListener>,
+    own_bell: &std::sync::Arc<Bell>,
+    ends: &mut super::Ends,
+) -> Result<usize> {
+    let pairs: Vec<(usize, usize)> = (0..=routes.channels)
+        .flat_map(|ci| routes.neighbours(ci).into_iter().map(move |p| (ci, p)))
+        .filter(|&(_, peer)| routes.to(peer) == super::routes::Path::Tcp)
+        .collect();
+    let mut streams = open_sockets(routes, config, listener, &pairs)?;
+    for &(ci, peer) in &pairs {
+        let socks: Vec<TcpStream> = streams[ci][peer]
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
+        let chan = if ci == routes.channels {
+            "p".to_string()
+        } else {
+            ci.to_string()
+        };
+        let tag = format!("r{}-c{chan}-p{peer}", routes.rank);
+        let (link, tx, rx) = TcpLink::start(
+            socks,
+            config.striping,
+            config.geometry,
+            own_bell.clone(),
+            &tag,
+            config.link_timeout,
+        )?;
+        ends.sends[0][ci][peer] = Some(tx);
+        ends.recvs[0][ci][peer] = Some(rx);
+        ends.links[ci][peer] = Some(super::NetLink::Tcp(link));
+    }
+    Ok(pairs.len())
+}
+
+/// The sockets of the links `pairs` (channel index, peer), `[channel index][peer]
+/// [socket]`: connected to higher ranks, accepted from lower ones, by the deadline.
+fn open_sockets(
+    routes: &super::routes::Routes,
+    config: &super::TransportConfig,
+    listener: Option<&std::net::TcpListener>,
+    pairs: &[(usize, usize)],
+) -> Result<Vec<Vec<Vec<Option<TcpStream>>>>> {
+    let (rank, nranks, channels) = (routes.rank, routes.nranks, routes.channels);
+    let deadline = Instant::now() + config.connect_timeout;
+    let striping = config.striping;
+    let nsocks = striping.sockets();
+    let mut streams: Vec<Vec<Vec<Option<TcpStream>>>> = (0..=channels)
+        .map(|_| {
+            (0..nranks)
+                .map(|_| (0..nsocks).map(|_| None).collect())
+                .collect()
+        })
+        .collect();
+    for &(ci, peer) in pairs.iter().filter(|(_, p)| *p > rank) {
+        let addr = routes.tcp_addr(peer)?;
+        for (sock, cell) in streams[ci][peer].iter_mut().enumerate() {
+            let stream = connect(addr, routes.job_key, rank, ci, sock, striping, deadline)
+                .map_err(|e| {
+                    Error::io(
+                        format!("connect to rank {peer} (channel {ci}, socket {sock})"),
+                        e,
+                    )
+                })?;
+            *cell = Some(stream);
+        }
+    }
+    let expected = nsocks * pairs.iter().filter(|(_, p)| *p < rank).count();
+    let Some(listener) = listener else {
+        return Ok(streams);
+    };
+    for a in accept(
+        listener,
+        routes.job_key,
+        expected,
+        deadline,
+        nranks,
+        channels,
+        striping,
+    )
+    .map_err(|e| Error::io(format!("rank {rank}: accept peer connections"), e))?
+    {
+        let cell = &mut streams[a.channel][a.peer][a.socket];
+        if !pairs.contains(&(a.channel, a.peer)) || a.peer >= rank || cell.is_some() {
+            return Err(Error::BootstrapData {
+                rank: a.peer,
+                detail: format!(
+                    "unexpected TCP connection for channel {}, socket {}",
+                    a.channel, a.socket
+                ),
+            });
+        }
+        *cell = Some(a.stream);
+    }
+    Ok(streams)
+}
+
 /// The key that identifies one communicator's connections (random, chosen by rank 0 and
 /// shared through the bootstrap store): a connection that does not present it is not
 /// one of the job's and is dropped.

@@ -48,7 +48,7 @@ use super::bell::{Bell, Closed};
 use super::fifo::{DATA_OFFSET, Geometry, RecvEnd, SendEnd};
 use super::tcp::{LinkState, local_fifo, stripe};
 use crate::bootstrap::Bootstrap;
-use crate::comm::config::env_first;
+use crate::env::env_first;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::store::wire::{Cursor, Writer};
@@ -1023,6 +1023,64 @@ pub struct LinkSpec {
     pub channel: usize,
     /// The peer rank.
     pub peer: usize,
+}
+
+/// The RDMA phase of connecting a rank (collective whenever any two ranks of the job
+/// talk over RDMA): the links of the rings (from the previous rank of each channel's
+/// ring, to the next) are made now, the others on first use (see
+/// [`lazy`](super::lazy)), so that registered memory grows with the peers used. The
+/// links' FIFO ends go into `ends`; their proxy rings `own_bell`.
+pub(super) fn connect_links(
+    boot: &Bootstrap,
+    routes: &super::routes::Routes,
+    config: &super::TransportConfig,
+    nic: Option<Arc<dyn Nic>>,
+    own_bell: &Arc<Bell>,
+    ends: &mut super::Ends,
+) -> Result<Option<RdmaNet>> {
+    let (rank, nranks) = (routes.rank, routes.nranks);
+    let rdma = super::routes::Path::Rdma;
+    if !(0..nranks).any(|a| (0..nranks).any(|b| routes.path(a, b) == rdma)) {
+        return Ok(None);
+    }
+    // Every link this rank may have.
+    let specs: Vec<LinkSpec> = (0..=routes.channels)
+        .flat_map(|ci| {
+            routes
+                .neighbours(ci)
+                .into_iter()
+                .filter(|&p| routes.to(p) == rdma)
+                .map(move |peer| LinkSpec { channel: ci, peer })
+        })
+        .collect();
+    let ring_neighbour = |spec: &LinkSpec| {
+        config.rings.get(spec.channel).is_some_and(|ring| {
+            let at = ring.iter().position(|&r| r == rank).expect("in every ring");
+            let n = ring.len();
+            spec.peer == ring[(at + 1) % n] || spec.peer == ring[(at + n - 1) % n]
+        })
+    };
+    let eager: Vec<usize> = (0..specs.len())
+        .filter(|&i| ring_neighbour(&specs[i]))
+        .collect();
+    let (net, made) = RdmaNet::establish(
+        boot,
+        nic,
+        &config.rdma,
+        config.geometry,
+        specs.clone(),
+        &eager,
+        own_bell.clone(),
+        config.link_timeout,
+    )?;
+    for (i, tx, rx) in made {
+        let spec = specs[i];
+        ends.sends[0][spec.channel][spec.peer] = Some(tx);
+        ends.recvs[0][spec.channel][spec.peer] = Some(rx);
+        let link = net.as_ref().expect("links need the net").link(i);
+        ends.links[spec.channel][spec.peer] = Some(super::NetLink::Rdma(link));
+    }
+    Ok(net)
 }
 
 impl RdmaNet {

@@ -1,4 +1,5 @@
-//! Collectives on device memory, enqueued on the caller's stream as NCCL does.
+//! The device side of the engine: collectives on device memory, enqueued on the
+//! caller's stream as NCCL does.
 //!
 //! A call lays its plan out for the executor ([`work::lay_out`]), connects the FIFO ends
 //! it names ([`DeviceFifos`]), packs everything the executor reads into one block
@@ -23,15 +24,15 @@ use std::ffi::c_void;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::work::{self, FcclFifo, FcclLane, FcclOp, FcclStep, FcclWork};
-use super::{
+use crate::cuda::work::{self, FcclFifo, FcclLane, FcclOp, FcclStep, FcclWork};
+use crate::cuda::{
     Context, DeviceBuffer, Event, Function, MappedHostBuffer, copy_to_device_async, nvrtc,
 };
 use crate::error::{Error, Result};
 use crate::plan::Plan;
+use crate::plan::Protocol;
 use crate::reduce::Kernel;
 use crate::store::Store;
-use crate::transport::Protocol;
 use crate::transport::cuda_ipc::DeviceFifos;
 use crate::transport::fifo::Geometry;
 
@@ -445,7 +446,7 @@ impl Launcher {
         let _current = self.ctx.push()?;
         self.poll()?;
         // SAFETY: the caller's stream, of this context.
-        if unsafe { super::is_capturing(stream)? } {
+        if unsafe { crate::cuda::is_capturing(stream)? } {
             return Err(Error::invalid(format!(
                 "{op} #{seq}: the stream is being captured into a CUDA graph, and ferroccl's \
                  device calls cannot be captured yet (each call's work, FIFO positions and \
@@ -454,7 +455,7 @@ impl Launcher {
             )));
         }
         let stream_key = if stream.is_null() {
-            self.ctx.0 as usize
+            self.ctx.key()
         } else {
             stream as usize
         };

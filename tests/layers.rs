@@ -1,0 +1,182 @@
+//! The library's modules form layers, bottom to top, as `src/lib.rs` and DESIGN.md list
+//! them: a module uses only modules of lower layers (or itself), so there is no import
+//! cycle. This test reads every file of `src/` and checks each `crate::<module>` path in
+//! its code (comments and string literals aside) against the table below.
+
+use std::path::Path;
+
+/// The layers, bottom to top. Modules in one entry are one layer and do not use each
+/// other.
+const LAYERS: &[&[&str]] = &[
+    &["lock", "half", "with_element_type"],
+    &["error"],
+    &["env"],
+    &["types"],
+    &["trace"],
+    &["store"],
+    &["bootstrap"],
+    &["plan"],
+    &["topo"],
+    &["tune"],
+    &["reduce"],
+    &["cuda"],
+    &["transport"],
+    &["fault"],
+    &["engine"],
+    &["comm"],
+    &["launch"],
+    &["pg", "capi"],
+    &["ddp"],
+    &["perf"],
+    &["viz"],
+];
+
+/// Items of the crate root that are not modules (re-exports, the `lock` helper).
+const ROOT_ITEMS: &[&str] = &[
+    "Communicator",
+    "Error",
+    "Result",
+    "DataType",
+    "Element",
+    "ReduceOp",
+    "Scalar",
+    "F8E4M3",
+    "F8E5M2",
+];
+
+fn layer(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|l| l.contains(&module))
+}
+
+/// The code of a Rust file without comments and string literals (good enough for
+/// finding paths: raw strings and char literals with quotes do not occur in `src/`
+/// where it matters; a `'"'` is handled).
+fn code_only(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '/' if chars.peek() == Some(&'/') => {
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        out.push('\n');
+                        break;
+                    }
+                }
+            }
+            '/' if chars.peek() == Some(&'*') => {
+                chars.next();
+                let mut prev = ' ';
+                for c in chars.by_ref() {
+                    if prev == '*' && c == '/' {
+                        break;
+                    }
+                    prev = c;
+                }
+            }
+            '\'' if chars.peek() == Some(&'"') => {
+                out.push_str("'\"'");
+                chars.next();
+                chars.next();
+            }
+            '"' => {
+                let mut escaped = false;
+                for c in chars.by_ref() {
+                    if escaped {
+                        escaped = false;
+                    } else if c == '\\' {
+                        escaped = true;
+                    } else if c == '"' {
+                        break;
+                    }
+                }
+                out.push_str("\"\"");
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The modules of `src/` (first path component of each file) and the crate modules each
+/// file's code names.
+fn uses() -> Vec<(String, String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut dirs = vec![src.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let rel = path
+                .strip_prefix(&src)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            if rel == "lib.rs" {
+                continue;
+            }
+            let module = rel
+                .split('/')
+                .next()
+                .unwrap()
+                .trim_end_matches(".rs")
+                .to_string();
+            let code = code_only(&std::fs::read_to_string(&path).unwrap());
+            // A file's tests may use anything (they are not part of the layering).
+            let code = match code.find("#[cfg(test)]\nmod tests") {
+                Some(at) => &code[..at],
+                None => &code[..],
+            };
+            for (at, _) in code.match_indices("crate::") {
+                let name: String = code[at + 7..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                out.push((rel.clone(), module.clone(), name));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_module_uses_only_lower_layers() {
+    let mut wrong = Vec::new();
+    for (file, module, used) in uses() {
+        if used == module || ROOT_ITEMS.contains(&used.as_str()) {
+            continue;
+        }
+        let (Some(mine), Some(theirs)) = (layer(&module), layer(&used)) else {
+            wrong.push(format!(
+                "{file}: {module} or {used} is in no layer of this test"
+            ));
+            continue;
+        };
+        if theirs >= mine {
+            wrong.push(format!(
+                "{file}: {module} (layer {mine}) uses crate::{used} (layer {theirs})"
+            ));
+        }
+    }
+    wrong.sort();
+    wrong.dedup();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_reader_of_code_skips_comments_and_strings() {
+    let code =
+        code_only("use crate::a; // crate::b\n/* crate::c */ let s = \"crate::d\"; '\"'; crate::e");
+    assert!(
+        code.contains("crate::a") && code.contains("crate::e"),
+        "{code}"
+    );
+    assert!(!code.contains("crate::b") && !code.contains("crate::c") && !code.contains("crate::d"));
+}
