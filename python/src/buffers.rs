@@ -208,10 +208,16 @@ fn format_elements(format: &str, itemsize: usize) -> Option<Elements> {
         ("I" | "L" | "Q" | "N", 8) => DataType::Uint64,
         ("Zf", 8) => return Some(Elements::Complex(DataType::Float32)),
         ("Zd", 16) => return Some(Elements::Complex(DataType::Float64)),
-        ("h" | "H", 2) => {
+        ("h", 2) => {
             return Some(Elements::Opaque {
                 size: 2,
                 name: "int16",
+            });
+        }
+        ("H", 2) => {
+            return Some(Elements::Opaque {
+                size: 2,
+                name: "uint16",
             });
         }
         _ => return None,

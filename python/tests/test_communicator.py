@@ -160,6 +160,68 @@ def test_wrong_arguments_raise_invalid_argument_errors() -> None:
     assert "meta tensor" in msgs[7] and "CPU memory" in msgs[7] and "CUDA tensors" in msgs[7]
 
 
+def test_bool_complex_and_16_bit_integer_arrays() -> None:
+    """numpy's bool (SUM as logical or, as PyTorch's NCCL backend reduces bool), complex
+    (pairs of reals: SUM and AVG) and int16 / uint16 (moved, not reduced), and what each
+    refuses, naming the type."""
+
+    def body(c: ferroccl.Communicator) -> None:
+        r = c.rank
+        b = np.array([r == 0, False, True, r == 1])
+        c.all_reduce(b)
+        assert b.tolist() == [True, False, True, True]
+        z = np.array([1 + 2j, r * 1j], dtype=np.complex64)
+        c.all_reduce(z)
+        np.testing.assert_array_equal(z, np.array([2 + 4j, 1j], dtype=np.complex64))
+        zz = np.array([r + 1j], dtype=np.complex128)
+        c.all_reduce(zz, op="avg")
+        np.testing.assert_array_equal(zz, np.array([0.5 + 1j]))
+        with pytest.raises(ValueError, match="complex"):
+            c.all_reduce(z, op="max")
+        for dtype, name in [(np.int16, "int16"), (np.uint16, "uint16")]:
+            h = np.arange(3, dtype=dtype) + r
+            c.broadcast(h, root=1)
+            np.testing.assert_array_equal(h, np.arange(3, dtype=dtype) + 1)
+            with pytest.raises(ValueError, match=name):
+                c.all_reduce(h)
+        with pytest.raises(ValueError):
+            c.all_reduce(np.arange(8, dtype=np.float32)[::2])  # not contiguous
+
+    run_ranks(2, body)
+
+
+def test_barrier_groups_repr_abort_and_a_job_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(c: ferroccl.Communicator) -> None:
+        c.barrier()
+        assert repr(c) == f"<ferroccl.Communicator rank {c.rank} of 2>"
+        c.group_start()
+        c.all_reduce(np.ones(4, dtype=np.float32))  # queued, then dropped
+        c.group_discard()
+        with pytest.raises(ValueError, match="group_discard without group_start"):
+            c.group_discard()
+        with pytest.raises(ValueError, match="group_end without group_start"):
+            c.group_end()
+        assert c.failure() is None
+
+    run_ranks(2, body)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))]:
+        monkeypatch.setenv(name, value)
+    comm = ferroccl.Communicator.from_env()
+    assert (comm.rank, comm.size) == (0, 1)
+    x = np.arange(3, dtype=np.float64)
+    comm.all_reduce(x)
+    np.testing.assert_array_equal(x, np.arange(3))
+    comm.abort()
+    assert comm.failure() is not None
+    with pytest.raises(ferroccl.FerrocclError):
+        comm.all_reduce(x)
+
+
 def test_unique_id_round_trips() -> None:
     import pickle
 
