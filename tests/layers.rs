@@ -1,7 +1,11 @@
-//! The library's modules form layers, bottom to top, as `src/lib.rs` and DESIGN.md list
-//! them: a module uses only modules of lower layers (or itself), so there is no import
-//! cycle. This test reads every file of `src/` and checks each `crate::<module>` path in
-//! its code (comments and string literals aside) against the table below.
+//! The library's structure, checked so that it stays readable:
+//!
+//! - its modules form layers, bottom to top, as `src/lib.rs` and DESIGN.md list them: a
+//!   module uses only modules of lower layers (or itself), so there is no import cycle.
+//!   Every `crate::<module>` path in the code of `src/` (comments and string literals
+//!   aside) is checked against the table below;
+//! - no function of the transports and the communicator (`src/transport/`, `src/comm/`)
+//!   is longer than 100 lines: a function that needs more is several functions.
 
 use std::path::Path;
 
@@ -98,6 +102,24 @@ fn code_only(text: &str) -> String {
     out
 }
 
+/// The Rust files under `dir`.
+fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
 /// The modules of `src/` (first path component of each file) and the crate modules each
 /// file's code names.
 fn uses() -> Vec<(String, String, String)> {
@@ -179,4 +201,73 @@ fn the_reader_of_code_skips_comments_and_strings() {
         "{code}"
     );
     assert!(!code.contains("crate::b") && !code.contains("crate::c") && !code.contains("crate::d"));
+}
+
+/// The functions of `code` (already without comments and strings) and their lengths in
+/// lines, from `fn` to the closing brace of the body.
+fn function_lengths(code: &str) -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("fn ") {
+        let before = code[..at].chars().last();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let name: String = code[at + 3..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let (Some(open), semi) = (code[at..].find('{'), code[at..].find(';')) else {
+            continue;
+        };
+        if name.is_empty() || semi.is_some_and(|s| s < open) {
+            continue; // a declaration without a body, or `fn(...)` types
+        }
+        let mut depth = 0usize;
+        let mut end = at + open;
+        for (i, c) in code[at + open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = at + open + i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        out.push((name, code[at..=end].lines().count()));
+    }
+    out
+}
+
+#[test]
+fn no_function_of_the_transports_or_the_communicator_is_over_100_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut long = Vec::new();
+    for dir in ["src/transport", "src/comm"] {
+        for path in rust_files(&root.join(dir)) {
+            let code = code_only(&std::fs::read_to_string(&path).unwrap());
+            let code = match code.find("#[cfg(test)]\nmod tests") {
+                Some(at) => &code[..at],
+                None => &code[..],
+            };
+            for (name, lines) in function_lengths(code) {
+                if lines > 100 {
+                    long.push(format!(
+                        "{}: fn {name} has {lines} lines",
+                        path.strip_prefix(root).unwrap().display()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "{}", long.join("\n"));
+}
+
+#[test]
+fn function_lengths_count_from_fn_to_the_closing_brace() {
+    let code = "fn a() {\n    if x {\n        y();\n    }\n}\ntype F = fn(u8);\nfn b();\n";
+    assert_eq!(function_lengths(code), vec![("a".to_string(), 5)]);
 }

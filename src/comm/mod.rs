@@ -189,6 +189,44 @@ impl RawCall {
     }
 }
 
+/// What every rank agrees on at initialisation (collective): everyone plans with rank
+/// 0's cost model, so that every rank picks the same algorithm for the same call even if
+/// their environments differ; the settings that shape plans and FIFOs must be the same
+/// everywhere, or calls would hang (an error names the first that differs). Returns the
+/// model and every rank's GPU line ([`device_tuning::describe`]).
+fn agree_at_init(
+    boot: &Bootstrap,
+    config: &CommConfig,
+    gpu: Option<&crate::cuda::GpuIdentity>,
+) -> Result<(CostModel, Vec<String>)> {
+    let mine = format!(
+        "{}\n{}\n{}",
+        CostModel::from_env()?.to_text(),
+        device_tuning::describe(gpu),
+        config.shared_settings()
+    );
+    // Each text: the cost model, the GPU line, the settings.
+    let texts: Vec<[String; 3]> = boot
+        .all_gather(mine.as_bytes())?
+        .iter()
+        .map(|b| {
+            let text = String::from_utf8_lossy(b);
+            let mut lines = text.splitn(3, '\n').map(String::from);
+            [(); 3].map(|_| lines.next().unwrap_or_default())
+        })
+        .collect();
+    let [model, _, settings] = &texts[0];
+    for (r, [_, _, theirs]) in texts.iter().enumerate() {
+        if let Some(diff) = CommConfig::settings_differ(settings, theirs) {
+            return Err(Error::invalid(format!(
+                "rank {r}'s settings differ from rank 0's: {diff}; every rank must use the same"
+            )));
+        }
+    }
+    let model = CostModel::parse("rank 0's cost model", model)?;
+    Ok((model, texts.iter().map(|[_, gpu, _]| gpu.clone()).collect()))
+}
+
 impl Communicator {
     /// Joins the communicator named by `id` as `rank` of `nranks`
     /// (`ncclCommInitRank`), with settings from the environment.
@@ -271,42 +309,9 @@ impl Communicator {
         crate::trace::init_from_env();
         config.validate()?;
         let (rank, nranks) = (boot.rank(), boot.world_size());
-        // Everyone plans with rank 0's cost model, so that every rank picks the same
-        // algorithm for the same call even if their environments differ; the settings
-        // that shape plans and FIFOs must be the same everywhere, or calls would hang.
         // The GPU current on this thread, if any, for the device calls' tuning.
         let gpu = crate::cuda::current_gpu();
-        let mine = format!(
-            "{}\n{}\n{}",
-            CostModel::from_env()?.to_text(),
-            device_tuning::describe(gpu.as_ref()),
-            config.shared_settings()
-        );
-        let all = boot.all_gather(mine.as_bytes())?;
-        let texts: Vec<String> = all
-            .iter()
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .collect();
-        // Each text: the cost model, the GPU line, the settings.
-        let parts = |t: &str| -> (String, String, String) {
-            let mut lines = t.splitn(3, '\n').map(String::from);
-            let mut next = || lines.next().unwrap_or_default();
-            (next(), next(), next())
-        };
-        let (model, _, settings) = parts(&texts[0]);
-        let settings = settings.as_str();
-        let mut model = CostModel::parse("rank 0's cost model", &model)?;
-        let gpu_lines: Vec<String> = texts.iter().map(|t| parts(t).1).collect();
-        for (r, text) in texts.iter().enumerate() {
-            let theirs = parts(text).2;
-            let theirs = theirs.as_str();
-            if let Some(diff) = CommConfig::settings_differ(settings, theirs) {
-                return Err(Error::invalid(format!(
-                    "rank {r}'s settings differ from rank 0's: {diff}; every rank must use \
-                     the same"
-                )));
-            }
-        }
+        let (mut model, gpu_lines) = agree_at_init(&boot, &config, gpu.as_ref())?;
         // The same hosts for the plans' rings and trees, the cost model and the
         // transports (with TCP forced, every rank is a host of its own).
         let hosts = config.transport.host_labels(boot.peers());
@@ -962,48 +967,7 @@ impl Communicator {
         // SAFETY: the caller's stream.
         let ctx = unsafe { crate::cuda::Context::of_stream(stream)? };
         if st.device.is_none() {
-            let ll = crate::transport::fifo::Geometry::ll(
-                self.config.ll_slots,
-                self.config.ll_payload_bytes,
-            );
-            // Equal for this communicator's ranks (a hash of the members), so that two of
-            // them on one stream are told apart from two communicators' ranks.
-            let comm_key = self
-                .boot
-                .peers()
-                .iter()
-                .fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
-                    (h ^ p.host_hash() ^ u64::from(p.pid) ^ (p.rank as u64) << 32)
-                        .wrapping_mul(0x0100_0000_01b3)
-                });
-            // The device watchdog's verdict reaches ncclCommGetAsyncError and the next
-            // call without waiting for the state lock.
-            let failure = self.failure.clone();
-            let on_timeout = move |why: String| {
-                failure
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(why);
-            };
-            // Peers in other processes of this host: the watchdog notices their exit.
-            let me = &self.boot.peers()[self.rank];
-            let peers = self
-                .boot
-                .peers()
-                .iter()
-                .filter(|p| p.host_id == me.host_id && p.pid != me.pid)
-                .map(|p| (p.rank, crate::transport::liveness::Liveness::watch(p.pid)))
-                .collect();
-            let launcher = crate::engine::device::Launcher::new(
-                self.rank,
-                comm_key,
-                Box::new(on_timeout),
-                peers,
-                ctx,
-                self.config.geometry(),
-                ll,
-                self.config.timeout,
-            )?;
+            let launcher = self.device_launcher(ctx)?;
             let _ = self.device_abort.set(launcher.abort_word());
             st.device = Some(launcher);
         }
@@ -1037,6 +1001,57 @@ impl Communicator {
             self.set_failure(e.to_string());
         }
         result
+    }
+
+    /// The device side of this rank, made by its first call on device memory (in
+    /// context `ctx`): a launcher with a watchdog that fails the communicator when a call
+    /// outlives the timeout or a peer process of this host exits.
+    fn device_launcher(
+        &self,
+        ctx: crate::cuda::Context,
+    ) -> Result<crate::engine::device::Launcher> {
+        let ll = crate::transport::fifo::Geometry::ll(
+            self.config.ll_slots,
+            self.config.ll_payload_bytes,
+        );
+        // Equal for this communicator's ranks (a hash of the members), so that two of
+        // them on one stream are told apart from two communicators' ranks.
+        let comm_key = self
+            .boot
+            .peers()
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
+                (h ^ p.host_hash() ^ u64::from(p.pid) ^ (p.rank as u64) << 32)
+                    .wrapping_mul(0x0100_0000_01b3)
+            });
+        // The device watchdog's verdict reaches ncclCommGetAsyncError and the next
+        // call without waiting for the state lock.
+        let failure = self.failure.clone();
+        let on_timeout = move |why: String| {
+            failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(why);
+        };
+        // Peers in other processes of this host: the watchdog notices their exit.
+        let me = &self.boot.peers()[self.rank];
+        let peers = self
+            .boot
+            .peers()
+            .iter()
+            .filter(|p| p.host_id == me.host_id && p.pid != me.pid)
+            .map(|p| (p.rank, crate::transport::liveness::Liveness::watch(p.pid)))
+            .collect();
+        crate::engine::device::Launcher::new(
+            self.rank,
+            comm_key,
+            Box::new(on_timeout),
+            peers,
+            ctx,
+            self.config.geometry(),
+            ll,
+            self.config.timeout,
+        )
     }
 
     /// Looks at the device calls that have finished, without waiting for any (nor for
@@ -1195,26 +1210,13 @@ impl Communicator {
         let mut next_scratch = st.scratch.as_mut_ptr();
         let mut make_op =
             |raw: &RawCall, &(choice, elems): &(Choice, usize)| -> Result<OpBuffers> {
-                let (reducing, op) = raw.reduction();
-                let plain = match op {
-                    ReduceOp::PreMulSum(_) => ReduceOp::Sum,
-                    other => other,
-                };
                 let mut scratch = std::ptr::null_mut();
                 if elems > 0 {
                     scratch = next_scratch as *mut u8;
                     // SAFETY: the buffer holds `total` words, the sum of every operation's.
                     next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
                 }
-                Ok(OpBuffers {
-                    input: raw.input,
-                    output: raw.output,
-                    kernel: Kernel::new(raw.dtype, op, self.nranks)?,
-                    plain: Kernel::new(raw.dtype, plain, self.nranks)?,
-                    reducing,
-                    scratch,
-                    protocol: choice.protocol,
-                })
+                self.op_buffers(raw, choice, scratch)
             };
         let one_op: [OpBuffers; 1];
         let many_ops: Vec<OpBuffers>;
@@ -1237,7 +1239,79 @@ impl Communicator {
             seq: st.seq,
             timeout: self.config.timeout,
         };
-        // A group shows its operations' choice when they all made the same one.
+        let _span = self.call_span(&call, raws, per_op).entered();
+        st.seq += 1;
+        let st = &mut *st;
+        // SAFETY: the buffers are valid as the caller promised, and the scratch memory
+        // (the communicator's buffer, which nothing else touches or resizes until the
+        // call returns); the plan's regions stay inside them because the plan was made
+        // from the same counts.
+        let result = unsafe { Self::connect_and_execute(st, fused.as_ref(), ops, &call) };
+        if st.scratch.len() > KEPT_SCRATCH_WORDS {
+            st.scratch = Vec::new();
+        }
+        if let Err(e) = &result {
+            self.fail_after(&mut st.conns, e);
+        }
+        result
+    }
+
+    /// Runs a host call's plan: `fused`, or the last single-operation plan. The first
+    /// call of a plan makes the FIFOs it needs beyond the rings'.
+    ///
+    /// # Safety
+    /// As [`engine::execute`], for the plan and `ops`.
+    unsafe fn connect_and_execute(
+        st: &mut State,
+        fused: Option<&Plan>,
+        ops: &[OpBuffers],
+        call: &CallInfo,
+    ) -> Result<()> {
+        let plan = match fused {
+            Some(fused) => fused,
+            None => &st.last_plan.as_ref().expect("planned above").plan,
+        };
+        let connected = fused.is_none() && st.last_plan.as_ref().is_some_and(|c| c.connected);
+        if !connected {
+            engine::connect_for(plan, ops, &mut st.conns, call)?;
+        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { engine::execute(plan, ops, &mut st.conns, call) }?;
+        if fused.is_none()
+            && let Some(c) = st.last_plan.as_mut()
+        {
+            c.connected = true;
+        }
+        Ok(())
+    }
+
+    /// The buffers and kernels of one operation of a host call (`scratch`: its part of
+    /// the call's scratch memory, or null).
+    fn op_buffers(&self, raw: &RawCall, choice: Choice, scratch: *mut u8) -> Result<OpBuffers> {
+        let (reducing, op) = raw.reduction();
+        let plain = match op {
+            ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+            other => other,
+        };
+        Ok(OpBuffers {
+            input: raw.input,
+            output: raw.output,
+            kernel: Kernel::new(raw.dtype, op, self.nranks)?,
+            plain: Kernel::new(raw.dtype, plain, self.nranks)?,
+            reducing,
+            scratch,
+            protocol: choice.protocol,
+        })
+    }
+
+    /// The trace span of a call (a group shows its operations' choice when they all made
+    /// the same one).
+    fn call_span(
+        &self,
+        call: &CallInfo,
+        raws: &[RawCall],
+        per_op: &[(Choice, usize)],
+    ) -> tracing::Span {
         let same = |f: fn(&Choice) -> &'static str| -> &'static str {
             let first = f(&per_op[0].0);
             if per_op.iter().all(|(c, _)| f(c) == first) {
@@ -1246,67 +1320,38 @@ impl Communicator {
                 "mixed"
             }
         };
-        let _span = tracing::trace_span!(
+        tracing::trace_span!(
             target: crate::trace::TRACE_TARGET,
             "collective",
             rank = self.rank,
-            op = name,
-            seq = st.seq,
+            op = call.op,
+            seq = call.seq,
             bytes = raws.iter().map(|r| r.count * r.dtype.size()).sum::<usize>(),
             algorithm = same(|c| c.algorithm.name()),
             protocol = same(|c| c.protocol.name()),
         )
-        .entered();
-        st.seq += 1;
-        let st = &mut *st;
-        let plan = match &fused {
-            Some(fused) => fused,
-            None => &st.last_plan.as_ref().expect("planned above").plan,
+    }
+
+    /// Aborts the communicator after a host call failed with `e` while moving data, and
+    /// tells the peers which rank failed first, as far as this rank knows: the one it
+    /// saw fail, the stalled one its wait led to, or the one it timed out waiting for.
+    fn fail_after(&self, conns: &mut Connections, e: &Error) {
+        self.set_failure(match e {
+            Error::Aborted { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        });
+        let why = match e {
+            Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
+            Error::Timeout {
+                stalled: Some(s), ..
+            } => Closed::PeerFailed(*s),
+            Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
+                Closed::PeerFailed(waiting_on[0])
+            }
+            _ => Closed::ByOwner,
         };
-        // SAFETY: the buffers are valid as the caller promised, and the scratch memory
-        // (the communicator's buffer, which nothing else touches or resizes until the
-        // call returns); the plan's regions stay inside them because the plan was made
-        // from the same counts.
-        // The first call of a plan makes the FIFOs it needs beyond the rings'.
-        let connected = fused.is_none() && st.last_plan.as_ref().is_some_and(|c| c.connected);
-        let result = if connected {
-            Ok(())
-        } else {
-            engine::connect_for(plan, ops, &mut st.conns, &call)
-        };
-        let result =
-            result.and_then(|()| unsafe { engine::execute(plan, ops, &mut st.conns, &call) });
-        if result.is_ok()
-            && fused.is_none()
-            && let Some(c) = st.last_plan.as_mut()
-        {
-            c.connected = true;
-        }
-        if st.scratch.len() > KEPT_SCRATCH_WORDS {
-            st.scratch = Vec::new();
-        }
-        if let Err(e) = &result {
-            self.set_failure(match e {
-                Error::Aborted { reason, .. } => reason.clone(),
-                other => other.to_string(),
-            });
-            // Tell the peers which rank failed first, as far as this rank knows: the
-            // one it saw fail, the stalled one its wait led to, or the one it timed out
-            // waiting for.
-            let why = match e {
-                Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
-                Error::Timeout {
-                    stalled: Some(s), ..
-                } => Closed::PeerFailed(*s),
-                Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
-                    Closed::PeerFailed(waiting_on[0])
-                }
-                _ => Closed::ByOwner,
-            };
-            st.conns.close(why);
-            tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
-        }
-        result
+        conns.close(why);
+        tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
     }
 
     /// The plan this rank runs for `collective` of `count` elements of `dtype` (the

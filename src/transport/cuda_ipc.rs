@@ -321,6 +321,26 @@ impl DeviceFifos {
         Ok(device)
     }
 
+    /// Warns once when `sender` (rank `peer`) is another process on this rank's GPU
+    /// `here` and no MPS daemon runs: their kernels time-slice.
+    fn warn_if_time_slicing(&mut self, sender: &Sender, here: usize, peer: usize) {
+        if sender.process != process_token()
+            && sender.host == Sender::here(here).host
+            && sender.device as usize == here
+            && !crate::cuda::mps_running()
+            && !self.warned_time_slicing
+        {
+            self.warned_time_slicing = true;
+            tracing::warn!(
+                "rank {}: rank {peer} is another process on this rank's GPU {here}, and no \
+                 MPS daemon runs: their kernels time-slice, and each hand-off between them \
+                 waits for a slice switch (expect device calls to be very slow). Start MPS \
+                 (nvidia-cuda-mps-control -d) or run one process per GPU",
+                self.rank
+            );
+        }
+    }
+
     /// The executor's view of each of `ends`, connecting those not yet connected through
     /// `store` (waiting at most `timeout` for a peer's handle).
     pub fn connect(
@@ -359,21 +379,7 @@ impl DeviceFifos {
                 ptr: 0,
                 handle: [0; 64],
             };
-            if sender.process != process_token()
-                && sender.host == Sender::here(here).host
-                && sender.device as usize == here
-                && !crate::cuda::mps_running()
-                && !self.warned_time_slicing
-            {
-                self.warned_time_slicing = true;
-                tracing::warn!(
-                    "rank {me}: rank {} is another process on this rank's GPU {here}, and no \
-                     MPS daemon runs: their kernels time-slice, and each hand-off between \
-                     them waits for a slice switch (expect device calls to be very slow). \
-                     Start MPS (nvidia-cuda-mps-control -d) or run one process per GPU",
-                    end.peer
-                );
-            }
+            self.warn_if_time_slicing(&sender, here, end.peer);
             let base = if sender.needs_staging(here)? {
                 tracing::info!(
                     "rank {me}: the FIFO from rank {} (GPU {}) to rank {me} (GPU {here}) is \

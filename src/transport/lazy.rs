@@ -68,6 +68,18 @@ impl LazyFifos {
     }
 }
 
+/// The FIFOs and links a call needs that a rank lacks.
+#[derive(Default)]
+struct Missing {
+    /// FIFOs it receives on: (protocol index, channel index, peer).
+    recv_from: Vec<(usize, usize, usize)>,
+    /// FIFOs it sends on: (protocol index, channel index, peer).
+    send_to: Vec<(usize, usize, usize)>,
+    /// RDMA links to peers on other hosts not made yet: (channel index, peer).
+    #[cfg(feature = "rdma")]
+    rdma_links: Vec<(usize, usize)>,
+}
+
 /// What one call needs of a FIFO: its protocol, channel, and the peer it sends to and
 /// the peer it receives from on it.
 pub type FifoNeed = (Protocol, usize, Option<usize>, Option<usize>);
@@ -78,49 +90,12 @@ impl Connections {
     /// for the same call.
     pub fn connect(&mut self, needs: &[FifoNeed], call: &CallInfo) -> Result<()> {
         let rank = self.rank;
-        // (protocol index, channel index, peer), deduplicated.
-        let mut recv_from: Vec<(usize, usize, usize)> = Vec::new();
-        let mut send_to: Vec<(usize, usize, usize)> = Vec::new();
-        // RDMA links to peers on other hosts not made yet: (channel index, peer).
-        #[cfg(feature = "rdma")]
-        let mut rdma_links: Vec<(usize, usize)> = Vec::new();
-        for &(protocol, channel, to, from) in needs {
-            let f = protocol.index();
-            let Some(ci) = self.channel_index(channel) else {
-                continue;
-            };
+        let Missing {
+            recv_from,
+            send_to,
             #[cfg(feature = "rdma")]
-            for p in [to, from].into_iter().flatten() {
-                if self.links[ci][p].is_none()
-                    && self.lazy.kinds.get(p).is_some_and(Option::is_none)
-                    && let Some(net) = &self.rdma
-                    && net.index_of(ci, p).is_some_and(|i| !net.is_made(i))
-                {
-                    rdma_links.push((ci, p));
-                }
-            }
-            if self.lazy.formats[f].is_none() {
-                continue;
-            }
-            let local = |p: usize| self.lazy.kinds.get(p).is_some_and(Option::is_some);
-            if let Some(p) = from
-                && local(p)
-                && self.recvs[f][ci][p].is_none()
-            {
-                recv_from.push((f, ci, p));
-            }
-            if let Some(p) = to
-                && local(p)
-                && self.sends[f][ci][p].is_none()
-            {
-                send_to.push((f, ci, p));
-            }
-        }
-        #[cfg(feature = "rdma")]
-        {
-            rdma_links.sort_unstable();
-            rdma_links.dedup();
-        }
+            rdma_links,
+        } = self.missing(needs);
         #[cfg(feature = "rdma")]
         let no_rdma_links = rdma_links.is_empty();
         #[cfg(not(feature = "rdma"))]
@@ -128,10 +103,6 @@ impl Connections {
         if recv_from.is_empty() && send_to.is_empty() && no_rdma_links {
             return Ok(());
         }
-        recv_from.sort_unstable();
-        recv_from.dedup();
-        send_to.sort_unstable();
-        send_to.dedup();
         let deadline = Instant::now() + call.timeout;
         let prefix = self.lazy.prefix.clone();
         let key = |f: usize, ci: usize, from: usize, to: usize, what: &str| {
@@ -183,6 +154,53 @@ impl Connections {
             send_to.iter().map(|s| s.2).collect::<Vec<_>>()
         );
         Ok(())
+    }
+
+    /// What `needs` lists that this rank lacks, each once, in order.
+    fn missing(&self, needs: &[FifoNeed]) -> Missing {
+        let mut m = Missing::default();
+        for &(protocol, channel, to, from) in needs {
+            let f = protocol.index();
+            let Some(ci) = self.channel_index(channel) else {
+                continue;
+            };
+            #[cfg(feature = "rdma")]
+            for p in [to, from].into_iter().flatten() {
+                if self.links[ci][p].is_none()
+                    && self.lazy.kinds.get(p).is_some_and(Option::is_none)
+                    && let Some(net) = &self.rdma
+                    && net.index_of(ci, p).is_some_and(|i| !net.is_made(i))
+                {
+                    m.rdma_links.push((ci, p));
+                }
+            }
+            if self.lazy.formats[f].is_none() {
+                continue;
+            }
+            let local = |p: usize| self.lazy.kinds.get(p).is_some_and(Option::is_some);
+            if let Some(p) = from
+                && local(p)
+                && self.recvs[f][ci][p].is_none()
+            {
+                m.recv_from.push((f, ci, p));
+            }
+            if let Some(p) = to
+                && local(p)
+                && self.sends[f][ci][p].is_none()
+            {
+                m.send_to.push((f, ci, p));
+            }
+        }
+        #[cfg(feature = "rdma")]
+        {
+            m.rdma_links.sort_unstable();
+            m.rdma_links.dedup();
+        }
+        m.recv_from.sort_unstable();
+        m.recv_from.dedup();
+        m.send_to.sort_unstable();
+        m.send_to.dedup();
+        m
     }
 
     /// The store key of what `from` says to `to` about their RDMA link on channel index

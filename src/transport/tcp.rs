@@ -326,36 +326,18 @@ pub(super) fn local_fifo(geometry: Geometry, tag: &str) -> Result<(SendEnd, Recv
     Ok((tx, rx))
 }
 
-impl TcpLink {
-    /// Starts the proxies on connected sockets (`streams[i]` carries stripe `i`).
-    /// Returns the link and the engine's ends: the FIFO it sends into and the FIFO it
-    /// receives from. `rank_bell` is a second view of the rank's own bell (the proxies
-    /// ring it).
-    pub fn start(
-        streams: Vec<TcpStream>,
+impl Shared {
+    /// The state of a new link of `striping` carrying FIFOs of `geometry`, whose proxies
+    /// read the engine's slots from `outgoing` and write the peer's into `incoming`.
+    fn new(
         striping: Striping,
         geometry: Geometry,
-        rank_bell: Arc<Bell>,
+        outgoing: RecvEnd,
+        incoming: SendEnd,
         tag: &str,
-        link_timeout: Duration,
-    ) -> Result<(Self, SendEnd, RecvEnd)> {
-        striping.validate()?;
-        if geometry.protocol != super::Protocol::Simple {
-            return Err(Error::invalid(format!(
-                "TCP links carry Simple FIFOs only, not {geometry:?}"
-            )));
-        }
-        assert_eq!(streams.len(), striping.sockets(), "one stream per socket");
-        for stream in &streams {
-            stream
-                .set_nodelay(true)
-                .map_err(|e| Error::io("TCP_NODELAY", e))?;
-            set_link_timeout(stream, link_timeout)?;
-        }
-        let (engine_tx, proxy_rx) = local_fifo(geometry, tag)?;
-        let (proxy_tx, engine_rx) = local_fifo(geometry, tag)?;
+    ) -> Result<Self> {
         let threads = striping.threads;
-        let shared = Arc::new(Shared {
+        Ok(Shared {
             stop: AtomicBool::new(false),
             close_cause: AtomicU32::new(0),
             abrupt: AtomicBool::new(false),
@@ -363,11 +345,11 @@ impl TcpLink {
             send_bell: private_bell(tag)?,
             recv_bell: private_bell(tag)?,
             outgoing: Mutex::new(Outgoing {
-                fifo: proxy_rx,
+                fifo: outgoing,
                 released: 0,
             }),
             incoming: Mutex::new(Incoming {
-                fifo: proxy_tx,
+                fifo: incoming,
                 committed: 0,
                 lens: vec![0; geometry.slots],
             }),
@@ -401,7 +383,40 @@ impl TcpLink {
             peer_cause: AtomicU32::new(0),
             striping,
             slot_bytes: geometry.slot_bytes,
-        });
+        })
+    }
+}
+
+impl TcpLink {
+    /// Starts the proxies on connected sockets (`streams[i]` carries stripe `i`).
+    /// Returns the link and the engine's ends: the FIFO it sends into and the FIFO it
+    /// receives from. `rank_bell` is a second view of the rank's own bell (the proxies
+    /// ring it).
+    pub fn start(
+        streams: Vec<TcpStream>,
+        striping: Striping,
+        geometry: Geometry,
+        rank_bell: Arc<Bell>,
+        tag: &str,
+        link_timeout: Duration,
+    ) -> Result<(Self, SendEnd, RecvEnd)> {
+        striping.validate()?;
+        if geometry.protocol != super::Protocol::Simple {
+            return Err(Error::invalid(format!(
+                "TCP links carry Simple FIFOs only, not {geometry:?}"
+            )));
+        }
+        assert_eq!(streams.len(), striping.sockets(), "one stream per socket");
+        for stream in &streams {
+            stream
+                .set_nodelay(true)
+                .map_err(|e| Error::io("TCP_NODELAY", e))?;
+            set_link_timeout(stream, link_timeout)?;
+        }
+        let (engine_tx, proxy_rx) = local_fifo(geometry, tag)?;
+        let (proxy_tx, engine_rx) = local_fifo(geometry, tag)?;
+        let threads = striping.threads;
+        let shared = Arc::new(Shared::new(striping, geometry, proxy_rx, proxy_tx, tag)?);
         let clones = |range: std::ops::Range<usize>| -> Result<Vec<TcpStream>> {
             streams[range]
                 .iter()

@@ -1025,6 +1025,21 @@ pub struct LinkSpec {
     pub peer: usize,
 }
 
+/// Every rank says whether its links are ready (collective), whatever happened before:
+/// `connected` is this rank's outcome; the first rank that failed is every rank's error.
+fn agree_ready(boot: &Bootstrap, connected: Result<()>) -> Result<()> {
+    let ready = boot.all_gather(&[u8::from(connected.is_ok())]);
+    connected.and(ready).and_then(
+        |ready| match ready.iter().position(|r| r.first() != Some(&1)) {
+            None => Ok(()),
+            Some(r) => Err(Error::BootstrapData {
+                rank: r,
+                detail: "could not set up its RDMA links".into(),
+            }),
+        },
+    )
+}
+
 /// The RDMA phase of connecting a rank (collective whenever any two ranks of the job
 /// talk over RDMA): the links of the rings (from the previous rank of each channel's
 /// ring, to the next) are made now, the others on first use (see
@@ -1103,26 +1118,16 @@ impl RdmaNet {
         config.validate()?;
         let rank = boot.rank();
         let eager: Vec<(usize, &LinkSpec)> = eager.iter().map(|&i| (i, &specs[i])).collect();
-        let mut local = Vec::new();
-        let mut blob = Writer::default();
-        let mut nets_error: Option<Error> = None;
-        match &nic {
+        let (mut local, nets_error) = match &nic {
             Some(nic) if !specs.is_empty() => {
-                if geometry.slot_bytes > MAX_SLOT_BYTES {
-                    nets_error = Some(Error::invalid(format!(
-                        "FIFO slots of {} bytes are too large for RDMA links (at most {} \
-                         bytes: the byte count travels in 24 bits); lower FERROCCL_SLOT_SIZE",
-                        geometry.slot_bytes, MAX_SLOT_BYTES
-                    )));
-                } else {
-                    match Self::prepare(nic.as_ref(), config, geometry, &eager, rank) {
-                        Ok(prepared) => local = prepared,
-                        Err(e) => nets_error = Some(e),
-                    }
+                match Self::prepare_checked(nic.as_ref(), config, geometry, &eager, rank) {
+                    Ok(prepared) => (prepared, None),
+                    Err(e) => (Vec::new(), Some(e)),
                 }
             }
-            _ => {}
-        }
+            _ => (Vec::new(), None),
+        };
+        let mut blob = Writer::default();
         encode_links(&mut blob, eager.iter().map(|(_, spec)| *spec).zip(&local));
         // Everyone publishes, even a rank that failed (with no links), so that the
         // others fail on its missing links instead of waiting.
@@ -1160,17 +1165,7 @@ impl RdmaNet {
         // Every rank says whether its links are ready, whatever happened above: no queue
         // pair is written before every one is connected, and a rank that failed is named
         // by every other instead of leaving them to wait.
-        let ready = boot.all_gather(&[u8::from(connected.is_ok())]);
-        let verdict = connected.and(ready).and_then(|ready| {
-            match ready.iter().position(|r| r.first() != Some(&1)) {
-                None => Ok(()),
-                Some(r) => Err(Error::BootstrapData {
-                    rank: r,
-                    detail: "could not set up its RDMA links".into(),
-                }),
-            }
-        });
-        if let Err(e) = verdict {
+        if let Err(e) = agree_ready(boot, connected) {
             cleanup(&nic, local);
             return Err(e);
         }
@@ -1209,6 +1204,24 @@ impl RdmaNet {
             }),
             engine_ends,
         ))
+    }
+
+    /// [`RdmaNet::prepare`], after checking that the FIFO's slots fit an RDMA link.
+    fn prepare_checked(
+        nic: &dyn Nic,
+        config: &RdmaConfig,
+        geometry: Geometry,
+        eager: &[(usize, &LinkSpec)],
+        rank: usize,
+    ) -> Result<Vec<Prepared>> {
+        if geometry.slot_bytes > MAX_SLOT_BYTES {
+            return Err(Error::invalid(format!(
+                "FIFO slots of {} bytes are too large for RDMA links (at most {} bytes: the \
+                 byte count travels in 24 bits); lower FERROCCL_SLOT_SIZE",
+                geometry.slot_bytes, MAX_SLOT_BYTES
+            )));
+        }
+        Self::prepare(nic, config, geometry, eager, rank)
     }
 
     /// The index of the link to `peer` on channel index `channel`, if this rank may

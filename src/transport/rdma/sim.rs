@@ -388,6 +388,47 @@ impl World {
         self.fail_qp(qpn);
     }
 
+    /// Completes the head write of queue pair `qpn` (request `wr_id`), and the receive
+    /// `recv` (its id and immediate data) it consumed on the peer's queue pair `rqpn` of
+    /// device `rnic`, unless that device is set to lose completions.
+    fn complete_write(
+        &mut self,
+        qpn: u32,
+        wr_id: u64,
+        (rqpn, rnic): (u32, u64),
+        recv: Option<(u64, Option<u32>)>,
+    ) {
+        let q = self.qps.get_mut(&qpn).expect("queue pair");
+        q.sends.pop_front();
+        let nic = q.nic;
+        self.complete(
+            nic,
+            Completion {
+                wr_id,
+                qpn,
+                status: WcStatus::Success,
+                kind: WcKind::Write,
+                imm: None,
+            },
+        );
+        let Some((recv_id, imm)) = recv else { return };
+        let rn = self.nics.get_mut(&rnic).expect("nic");
+        if rn.lose_completions > 0 {
+            rn.lose_completions -= 1;
+            return;
+        }
+        self.complete(
+            rnic,
+            Completion {
+                wr_id: recv_id,
+                qpn: rqpn,
+                status: WcStatus::Success,
+                kind: WcKind::Recv,
+                imm,
+            },
+        );
+    }
+
     /// Runs the head request of every queue pair that can run. Returns whether any ran
     /// (or failed), and when the next timeout falls due.
     fn run_requests(&mut self) -> (bool, Option<Instant>) {
@@ -477,38 +518,7 @@ impl World {
                         )
                     };
                 }
-                self.qps
-                    .get_mut(&qpn)
-                    .expect("queue pair")
-                    .sends
-                    .pop_front();
-                self.complete(
-                    nic,
-                    Completion {
-                        wr_id,
-                        qpn,
-                        status: WcStatus::Success,
-                        kind: WcKind::Write,
-                        imm: None,
-                    },
-                );
-                if let Some(recv_id) = recv {
-                    let rn = self.nics.get_mut(&rnic).expect("nic");
-                    if rn.lose_completions > 0 {
-                        rn.lose_completions -= 1;
-                    } else {
-                        self.complete(
-                            rnic,
-                            Completion {
-                                wr_id: recv_id,
-                                qpn: rqpn,
-                                status: WcStatus::Success,
-                                kind: WcKind::Recv,
-                                imm,
-                            },
-                        );
-                    }
-                }
+                self.complete_write(qpn, wr_id, (rqpn, rnic), recv.map(|id| (id, imm)));
                 moved = true;
             }
         }
