@@ -9,7 +9,7 @@
 //! list (`tests/layers.rs` checks it, so there are no import cycles):
 //! - [`error`]: the one structured [`Error`] enum, and [`error::CallInfo`], what a call
 //!   is for its errors and deadline.
-//! - [`env`]: reading `FERROCCL_*` / `NCCL_*` variables.
+//! - [`env`](mod@env): reading `FERROCCL_*` / `NCCL_*` variables.
 //! - [`types`]: [`DataType`] and [`ReduceOp`] with NCCL's numbering.
 //! - [`trace`]: logging through `tracing`, controlled by `FERROCCL_DEBUG`, and traces.
 //! - [`store`]: the control plane ([`store::TcpStore`], PyTorch-wire-compatible, and

@@ -15,6 +15,10 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+// The shared test helpers (a directory walker here).
+#[allow(unused_imports)]
+mod common;
+
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -207,56 +211,38 @@ fn the_tools_page_shows_every_tools_help_as_it_prints_it() {
 /// The `FERROCCL_*` and `NCCL_*` names in string literals of the code that reads them.
 fn variables_in_code() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    let mut dirs = vec![
-        root().join("src"),
-        root().join("tools"),
-        root().join("python/src"),
-        root().join("python/ferroccl"),
-    ];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            if !path.extension().is_some_and(|x| x == "rs" || x == "py") {
-                continue;
-            }
-            let text = read(&path);
-            for (at, _) in text.match_indices('"') {
-                let rest = &text[at + 1..];
-                if !(rest.starts_with("FERROCCL_") || rest.starts_with("NCCL_")) {
-                    continue;
-                }
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-                    .collect();
-                names.insert(name);
-            }
-        }
+    let dirs = ["src", "tools", "python/src", "python/ferroccl"];
+    for path in dirs
+        .iter()
+        .flat_map(|d| common::files_under(&root().join(d), &["rs", "py"]))
+    {
+        let text = read(&path);
+        names.extend(variables_after(&text, '"'));
     }
     names
+}
+
+/// The `FERROCCL_*` / `NCCL_*` names that follow a `quote` in `text`.
+fn variables_after(text: &str, quote: char) -> Vec<String> {
+    text.match_indices(quote)
+        .map(|(at, _)| &text[at + 1..])
+        .filter(|rest| rest.starts_with("FERROCCL_") || rest.starts_with("NCCL_"))
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect()
+        })
+        .collect()
 }
 
 #[test]
 fn the_environment_page_lists_exactly_the_variables_the_code_reads() {
     let page = read(&book().join("environment.md"));
-    let mut documented = BTreeSet::new();
-    for (at, _) in page.match_indices('`') {
-        let rest = &page[at + 1..];
-        if rest.starts_with("FERROCCL_") || rest.starts_with("NCCL_") {
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-                .collect();
-            // `FERROCCL_SIM_*`: a family, read by the tests' simulated driver.
-            if !name.ends_with('_') {
-                documented.insert(name);
-            }
-        }
-    }
+    // `FERROCCL_SIM_*`: a family, read by the tests' simulated driver.
+    let documented: BTreeSet<String> = variables_after(&page, '`')
+        .into_iter()
+        .filter(|name| !name.ends_with('_'))
+        .collect();
     let read_by_code = variables_in_code();
     let undocumented: Vec<_> = read_by_code.difference(&documented).collect();
     let stale: Vec<_> = documented.difference(&read_by_code).collect();

@@ -9,6 +9,10 @@
 
 use std::path::Path;
 
+// The shared test helpers (a directory walker here).
+#[allow(unused_imports)]
+mod common;
+
 /// The layers, bottom to top. Modules in one entry are one layer and do not use each
 /// other.
 const LAYERS: &[&[&str]] = &[
@@ -104,20 +108,7 @@ fn code_only(text: &str) -> String {
 
 /// The Rust files under `dir`.
 fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut files = Vec::new();
-    let mut dirs = vec![dir.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|x| x == "rs") {
-                files.push(path);
-            }
-        }
-    }
-    files.sort();
-    files
+    common::files_under(dir, &["rs"])
 }
 
 /// The modules of `src/` (first path component of each file) and the crate modules each
@@ -125,44 +116,33 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
 fn uses() -> Vec<(String, String, String)> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut out = Vec::new();
-    let mut dirs = vec![src.clone()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|x| x != "rs") {
-                continue;
-            }
-            let rel = path
-                .strip_prefix(&src)
-                .unwrap()
-                .to_string_lossy()
-                .into_owned();
-            if rel == "lib.rs" {
-                continue;
-            }
-            let module = rel
-                .split('/')
-                .next()
-                .unwrap()
-                .trim_end_matches(".rs")
-                .to_string();
-            let code = code_only(&std::fs::read_to_string(&path).unwrap());
-            // A file's tests may use anything (they are not part of the layering).
-            let code = match code.find("#[cfg(test)]\nmod tests") {
-                Some(at) => &code[..at],
-                None => &code[..],
-            };
-            for (at, _) in code.match_indices("crate::") {
-                let name: String = code[at + 7..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                out.push((rel.clone(), module.clone(), name));
-            }
+    for path in rust_files(&src) {
+        let rel = path
+            .strip_prefix(&src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if rel == "lib.rs" {
+            continue;
+        }
+        let module = rel
+            .split('/')
+            .next()
+            .unwrap()
+            .trim_end_matches(".rs")
+            .to_string();
+        let code = code_only(&std::fs::read_to_string(&path).unwrap());
+        // A file's tests may use anything (they are not part of the layering).
+        let code = match code.find("#[cfg(test)]\nmod tests") {
+            Some(at) => &code[..at],
+            None => &code[..],
+        };
+        for (at, _) in code.match_indices("crate::") {
+            let name: String = code[at + 7..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            out.push((rel.clone(), module.clone(), name));
         }
     }
     out

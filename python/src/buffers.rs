@@ -33,6 +33,18 @@ pub enum Elements {
 }
 
 impl Elements {
+    /// int16 and uint16: moved, never reduced (NCCL has no 16-bit integers).
+    const SIXTEEN_BIT: [Elements; 2] = [
+        Elements::Opaque {
+            size: 2,
+            name: "int16",
+        },
+        Elements::Opaque {
+            size: 2,
+            name: "uint16",
+        },
+    ];
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -137,14 +149,8 @@ fn torch_elements(name: &str) -> Option<Elements> {
         "complex128" | "cdouble" => Elements::Complex(DataType::Float64),
         "float8_e4m3fn" => Elements::Typed(DataType::Float8E4M3),
         "float8_e5m2" => Elements::Typed(DataType::Float8E5M2),
-        "int16" | "short" => Elements::Opaque {
-            size: 2,
-            name: "int16",
-        },
-        "uint16" => Elements::Opaque {
-            size: 2,
-            name: "uint16",
-        },
+        "int16" | "short" => Elements::SIXTEEN_BIT[0],
+        "uint16" => Elements::SIXTEEN_BIT[1],
         "float8_e4m3fnuz" | "float8_e5m2fnuz" | "float8_e8m0fnu" | "int4" | "uint4" | "qint8"
         | "quint8" => Elements::Opaque {
             size: 1,
@@ -176,18 +182,8 @@ fn cuda_array_elements(typestr: &str) -> Option<Elements> {
         ('f', 8) => DataType::Float64,
         ('c', 8) => return Some(Elements::Complex(DataType::Float32)),
         ('c', 16) => return Some(Elements::Complex(DataType::Float64)),
-        ('i', 2) => {
-            return Some(Elements::Opaque {
-                size: 2,
-                name: "int16",
-            });
-        }
-        ('u', 2) => {
-            return Some(Elements::Opaque {
-                size: 2,
-                name: "uint16",
-            });
-        }
+        ('i', 2) => return Some(Elements::SIXTEEN_BIT[0]),
+        ('u', 2) => return Some(Elements::SIXTEEN_BIT[1]),
         _ => return None,
     }))
 }
@@ -208,18 +204,8 @@ fn format_elements(format: &str, itemsize: usize) -> Option<Elements> {
         ("I" | "L" | "Q" | "N", 8) => DataType::Uint64,
         ("Zf", 8) => return Some(Elements::Complex(DataType::Float32)),
         ("Zd", 16) => return Some(Elements::Complex(DataType::Float64)),
-        ("h", 2) => {
-            return Some(Elements::Opaque {
-                size: 2,
-                name: "int16",
-            });
-        }
-        ("H", 2) => {
-            return Some(Elements::Opaque {
-                size: 2,
-                name: "uint16",
-            });
-        }
+        ("h", 2) => return Some(Elements::SIXTEEN_BIT[0]),
+        ("H", 2) => return Some(Elements::SIXTEEN_BIT[1]),
         _ => return None,
     };
     Some(Elements::Typed(t))

@@ -393,7 +393,7 @@ fn table<T>(rows: usize, cols: usize) -> Vec<Vec<Option<T>>> {
 impl Connections {
     /// Connects this rank to its peers (collective: every rank of `boot` must call it
     /// with the same configuration), in phases: decide how each peer is reached
-    /// ([`routes`]), make this rank's shared memory ([`shm`]), connect TCP ([`tcp`]),
+    /// (`routes`), make this rank's shared memory (`shm`), connect TCP ([`tcp`]),
     /// connect RDMA (`rdma`), open the local peers' shared memory, agree on CPU
     /// sharing; FIFOs beyond the rings are made on first use ([`lazy`]).
     pub fn establish(boot: &Bootstrap, config: &TransportConfig) -> Result<Self> {

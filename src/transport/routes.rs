@@ -41,21 +41,21 @@ impl Path {
 
 /// How this rank reaches every peer, as every rank agrees on it.
 pub(super) struct Routes {
-    pub rank: usize,
-    pub nranks: usize,
+    pub(super) rank: usize,
+    pub(super) nranks: usize,
     /// Ring channels (the point-to-point channel is index `channels`).
-    pub channels: usize,
+    pub(super) channels: usize,
     /// Each rank's host label.
-    pub hosts: Vec<usize>,
+    pub(super) hosts: Vec<usize>,
     /// Which ranks have a usable RDMA device.
-    pub rdma_ranks: Vec<bool>,
+    pub(super) rdma_ranks: Vec<bool>,
     /// Link speed (Gb/s) of the slowest RDMA device, when every pair of ranks on
     /// different hosts talks over RDMA (the cost model's network then).
-    pub rdma_link_gbps: Option<f64>,
+    pub(super) rdma_link_gbps: Option<f64>,
     /// The communicator's name space for segments.
-    pub prefix: String,
+    pub(super) prefix: String,
     /// What the communicator's TCP connections present (strangers cannot).
-    pub job_key: tcp::JobKey,
+    pub(super) job_key: tcp::JobKey,
     /// Each rank's TCP listening address, if it published one.
     tcp_addrs: Vec<Option<SocketAddr>>,
     choice: TransportChoice,

@@ -400,3 +400,24 @@ pub fn real_gpu_or_simulated(default_gpus: usize) -> bool {
         false
     })
 }
+
+/// The files under `dir` (recursively) whose extension is one of `extensions`, sorted.
+pub fn files_under(dir: &std::path::Path, extensions: &[&str]) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read a directory") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|x| extensions.iter().any(|e| x == *e))
+            {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}

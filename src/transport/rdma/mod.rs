@@ -1120,7 +1120,7 @@ impl RdmaNet {
         let eager: Vec<(usize, &LinkSpec)> = eager.iter().map(|&i| (i, &specs[i])).collect();
         let (mut local, nets_error) = match &nic {
             Some(nic) if !specs.is_empty() => {
-                match Self::prepare_checked(nic.as_ref(), config, geometry, &eager, rank) {
+                match Self::prepare(nic.as_ref(), config, geometry, &eager, rank) {
                     Ok(prepared) => (prepared, None),
                     Err(e) => (Vec::new(), Some(e)),
                 }
@@ -1206,24 +1206,6 @@ impl RdmaNet {
         ))
     }
 
-    /// [`RdmaNet::prepare`], after checking that the FIFO's slots fit an RDMA link.
-    fn prepare_checked(
-        nic: &dyn Nic,
-        config: &RdmaConfig,
-        geometry: Geometry,
-        eager: &[(usize, &LinkSpec)],
-        rank: usize,
-    ) -> Result<Vec<Prepared>> {
-        if geometry.slot_bytes > MAX_SLOT_BYTES {
-            return Err(Error::invalid(format!(
-                "FIFO slots of {} bytes are too large for RDMA links (at most {} bytes: the \
-                 byte count travels in 24 bits); lower FERROCCL_SLOT_SIZE",
-                geometry.slot_bytes, MAX_SLOT_BYTES
-            )));
-        }
-        Self::prepare(nic, config, geometry, eager, rank)
-    }
-
     /// The index of the link to `peer` on channel index `channel`, if this rank may
     /// have one.
     pub fn index_of(&self, channel: usize, peer: usize) -> Option<usize> {
@@ -1298,7 +1280,8 @@ impl RdmaNet {
         }
     }
 
-    /// Creates and registers each link's FIFOs and queue pairs, with receives posted.
+    /// Creates and registers each link's FIFOs and queue pairs, with receives posted (an
+    /// error if the FIFOs' slots are too large for an RDMA link).
     fn prepare(
         nic: &dyn Nic,
         config: &RdmaConfig,
@@ -1306,6 +1289,13 @@ impl RdmaNet {
         specs: &[(usize, &LinkSpec)],
         rank: usize,
     ) -> Result<Vec<Prepared>> {
+        if geometry.slot_bytes > MAX_SLOT_BYTES {
+            return Err(Error::invalid(format!(
+                "FIFO slots of {} bytes are too large for RDMA links (at most {} bytes: the \
+                 byte count travels in 24 bits); lower FERROCCL_SLOT_SIZE",
+                geometry.slot_bytes, MAX_SLOT_BYTES
+            )));
+        }
         let options = config.qp_options(geometry.slots);
         let mut done: Vec<Prepared> = Vec::new();
         let result = (|| -> Result<()> {
