@@ -612,25 +612,25 @@ impl Algorithm {
     }
 }
 
+/// `channels` rings (at least one) through the ranks in `order`: even channels go that
+/// way, odd ones the other way round, so that two channels use different connections.
+fn alternating_rings(order: Vec<usize>, channels: usize) -> Vec<Vec<usize>> {
+    (0..channels.max(1))
+        .map(|c| {
+            let mut ring = order.clone();
+            if c % 2 == 1 {
+                ring.reverse();
+            }
+            ring
+        })
+        .collect()
+}
+
 impl PlanOptions {
     /// `channels` rings over `nranks` ranks: even channels go `0, 1, …, n−1`, odd
     /// channels the other way round, so that two channels use different connections.
     pub fn with_channels(nranks: usize, channels: usize, chunk_elems: usize) -> Self {
-        let rings = (0..channels.max(1))
-            .map(|c| {
-                let mut ring: Vec<usize> = (0..nranks).collect();
-                if c % 2 == 1 {
-                    ring.reverse();
-                }
-                ring
-            })
-            .collect();
-        PlanOptions {
-            chunk_elems: chunk_elems.max(1),
-            rings,
-            algorithm: Algorithm::Ring,
-            hosts: Vec::new(),
-        }
+        Self::ring_options((0..nranks).collect(), channels, chunk_elems, Vec::new())
     }
 
     /// `channels` rings over ranks on hosts `hosts[rank]`: each ring visits the ranks of
@@ -641,20 +641,21 @@ impl PlanOptions {
         // Hosts in order of their first rank, ranks in order within a host.
         let first = |h: usize| hosts.iter().position(|&x| x == h).unwrap_or(0);
         order.sort_by_key(|&r| (first(hosts[r]), r));
-        let rings = (0..channels.max(1))
-            .map(|c| {
-                let mut ring = order.clone();
-                if c % 2 == 1 {
-                    ring.reverse();
-                }
-                ring
-            })
-            .collect();
+        Self::ring_options(order, channels, chunk_elems, hosts.to_vec())
+    }
+
+    /// Ring options over `channels` rings through `order` (alternating directions).
+    fn ring_options(
+        order: Vec<usize>,
+        channels: usize,
+        chunk_elems: usize,
+        hosts: Vec<usize>,
+    ) -> Self {
         PlanOptions {
             chunk_elems: chunk_elems.max(1),
-            rings,
+            rings: alternating_rings(order, channels),
             algorithm: Algorithm::Ring,
-            hosts: hosts.to_vec(),
+            hosts,
         }
     }
 

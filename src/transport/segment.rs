@@ -83,18 +83,27 @@ fn shm_path(name: &str) -> PathBuf {
     PathBuf::from("/dev/shm").join(name)
 }
 
+/// Opens the shared-memory file at `path` to read and write; `create`: a new one (it
+/// must not exist).
+fn open_shm(path: &std::path::Path, create: bool) -> Result<std::fs::File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(create)
+        .open(path)
+        .map_err(|e| {
+            let what = if create { "create" } else { "open" };
+            Error::io(format!("{what} {}", path.display()), e)
+        })
+}
+
 impl Segment {
     /// Creates a zero-filled segment of `len` bytes called `name` (which must not exist).
     pub fn create(kind: SegmentKind, name: &str, len: usize) -> Result<Self> {
         match kind {
             SegmentKind::Shm => {
                 let path = shm_path(name);
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-                    .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
+                let file = open_shm(&path, true)?;
                 // Allocate every page now, as NCCL does: a sparse file on a full tmpfs
                 // would only fail when a page is first touched, with SIGBUS mid-call.
                 // SAFETY: a valid open descriptor; offset and length checked by the
@@ -137,11 +146,7 @@ impl Segment {
         match kind {
             SegmentKind::Shm => {
                 let path = shm_path(name);
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&path)
-                    .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+                let file = open_shm(&path, false)?;
                 let actual = file
                     .metadata()
                     .map_err(|e| Error::io(format!("stat {}", path.display()), e))?
