@@ -26,11 +26,19 @@
 //!   chunks no larger than half a FIFO a ring cannot deadlock: the sender can always get
 //!   one chunk ahead of its receiver.
 //! - Steps with no elements are left out (on both ends alike).
+//!
+//! This file holds the plan's types and [`plan`], which picks a builder; the builders
+//! are one file per algorithm family, as NCCL keeps one per collective and Gloo one per
+//! algorithm: `ring.rs`, `tree_plans.rs` (over the trees of [`tree`]) and `direct.rs`
+//! (one-shot, two-shot, all-to-all, gather, scatter).
 
+mod direct;
 mod protocol;
-pub use protocol::Protocol;
+mod ring;
 pub mod sim;
 pub mod tree;
+mod tree_plans;
+pub use protocol::Protocol;
 
 use std::fmt;
 
@@ -933,77 +941,6 @@ fn lane(channel: usize, steps: Vec<Step>) -> Lane {
     Lane { channel, steps }
 }
 
-/// One chunk's way down a tree, for the rank with `parent` and `kids`: the root takes
-/// it from `root_src` (copying it into `out` when that is elsewhere) and sends it to its
-/// children; every other rank receives it into `out` from its parent and forwards it to
-/// its first child, then sends it from `out` to the others.
-fn tree_down(parent: Option<usize>, kids: &[usize], root_src: Region, out: Region) -> Vec<Step> {
-    let Some((&first, rest)) = kids.split_first() else {
-        return vec![match parent {
-            Some(p) => Step::Recv { from: p, dst: out },
-            None => Step::Copy {
-                src: root_src,
-                dst: out,
-            },
-        }];
-    };
-    let mut steps = vec![match parent {
-        Some(p) => Step::RecvCopySend {
-            from: p,
-            to: first,
-            dst: out,
-        },
-        None if root_src == out => Step::Send {
-            to: first,
-            src: out,
-        },
-        None => Step::CopySend {
-            to: first,
-            src: root_src,
-            dst: out,
-        },
-    }];
-    steps.extend(rest.iter().map(|&k| Step::Send { to: k, src: out }));
-    steps
-}
-
-/// One chunk's way up a tree, for the rank with `parent` and `kids`: a leaf sends its
-/// contribution `inp` to its parent; an inner rank adds each child's partial sum to its
-/// contribution, accumulating in `acc`, and sends the last sum to its parent instead; the
-/// root completes the sum in `acc` (with the post-operation).
-fn tree_up(parent: Option<usize>, kids: &[usize], inp: Region, acc: Region) -> Vec<Step> {
-    if kids.is_empty() {
-        return match parent {
-            Some(p) => vec![Step::Send { to: p, src: inp }],
-            // A single rank: its contribution is the result.
-            None => vec![Step::Copy { src: inp, dst: acc }],
-        };
-    }
-    kids.iter()
-        .enumerate()
-        .map(|(k, &kid)| {
-            // The first child's partial meets this rank's contribution; later ones meet
-            // the partial sum accumulated so far.
-            let src = if k == 0 { inp } else { acc };
-            let last = k + 1 == kids.len();
-            match parent {
-                Some(p) if last => Step::RecvReduceSend {
-                    from: kid,
-                    to: p,
-                    src,
-                },
-                _ => Step::RecvReduceCopy {
-                    from: kid,
-                    src,
-                    dst: acc,
-                    post: last,
-                    local_first: false,
-                },
-            }
-        })
-        .collect()
-}
-
 /// A lane of channel 0 with a single step.
 fn one(step: Step) -> Lane {
     lane(0, vec![step])
@@ -1022,26 +959,6 @@ impl Iteration {
     fn piece(&self, q: usize) -> (usize, usize) {
         let (off, l) = split_even(self.len, self.nranks, q);
         (self.base + off, l)
-    }
-}
-
-/// Where one channel's fold keeps its partial results: a scratch slot of its own,
-/// reused for every range the lane folds.
-struct FoldSlots {
-    base: usize,
-}
-
-impl FoldSlots {
-    /// The slot of channel `channel`, for ranges of at most `longest` elements.
-    fn new(channel: usize, longest: usize) -> Self {
-        FoldSlots {
-            base: channel * longest,
-        }
-    }
-
-    /// The slot's first `len` elements.
-    fn acc(&self, len: usize) -> Region {
-        Region::scratch(self.base, len)
     }
 }
 
@@ -1111,11 +1028,11 @@ impl RingView<'_> {
 }
 
 impl Builder<'_> {
-    fn channels(&self) -> usize {
+    pub(super) fn channels(&self) -> usize {
         self.rings.len()
     }
 
-    fn view(&self, channel: usize) -> RingView<'_> {
+    pub(super) fn view(&self, channel: usize) -> RingView<'_> {
         let ring = &self.rings[channel];
         let pos = ring
             .iter()
@@ -1124,244 +1041,9 @@ impl Builder<'_> {
         RingView { ring, pos }
     }
 
-    /// Ring all-reduce. Each channel takes a contiguous share of the buffer and walks it
-    /// in iterations of `nranks × chunk` elements; an iteration is split into one piece per
-    /// rank. At step `s` the rank at ring position `p` handles the piece owned by the rank
-    /// `s` positions behind it: sends it (s = 0), adds its own contribution and forwards it
-    /// (0 < s < n−1), completes it (s = n−1: the sum is final, stored and forwarded),
-    /// then passes final pieces on (n−1 < s < 2n−2) and stores the last one (s = 2n−2).
-    fn ring_all_reduce(&self) -> Vec<Lane> {
-        let n = self.nranks;
-        (0..self.channels())
-            .map(|c| {
-                let (lo, len) = split_even(self.count, self.channels(), c);
-                let mut steps = Vec::new();
-                if n == 1 {
-                    steps.push(Step::Copy {
-                        src: Region::input(lo, len),
-                        dst: Region::output(lo, len),
-                    });
-                    return lane(c, steps);
-                }
-                let v = self.view(c);
-                let (prev, next) = (v.prev(), v.next());
-                for it in self.iterations(lo, len) {
-                    for s in 0..=2 * (n - 1) {
-                        // The piece owned by the ring position s steps back.
-                        let (off, l) = it.piece(v.position_of(v.before(s)));
-                        let (src, dst) = (Region::input(off, l), Region::output(off, l));
-                        steps.push(match s {
-                            0 => Step::Send { to: next, src },
-                            s if s < n - 1 => Step::RecvReduceSend {
-                                from: prev,
-                                to: next,
-                                src,
-                            },
-                            s if s == n - 1 => Step::RecvReduceCopySend {
-                                from: prev,
-                                to: next,
-                                src,
-                                dst,
-                            },
-                            s if s < 2 * (n - 1) => Step::RecvCopySend {
-                                from: prev,
-                                to: next,
-                                dst,
-                            },
-                            _ => Step::Recv { from: prev, dst },
-                        });
-                    }
-                }
-                lane(c, steps)
-            })
-            .collect()
-    }
-
-    /// Tree all-reduce: each channel takes a share of the buffer and one of the two
-    /// trees (even channels the first, odd the second). Chunk by chunk, every rank adds
-    /// its children's partial sums to its own contribution and passes the result up; the
-    /// root completes it and the final chunk travels back down. Reducing up and
-    /// forwarding down are separate lanes (they use opposite directions of each
-    /// connection), so a chunk goes up while an earlier one comes down; on the root they
-    /// share one lane, since what it sends down is what it just completed.
-    fn tree_all_reduce(&self) -> Vec<Lane> {
-        let me = self.rank;
-        let mut lanes = Vec::new();
-        for c in 0..self.channels() {
-            let (lo, len) = split_even(self.count, self.channels(), c);
-            if self.nranks == 1 {
-                lanes.push(lane(
-                    c,
-                    vec![Step::Copy {
-                        src: Region::input(lo, len),
-                        dst: Region::output(lo, len),
-                    }],
-                ));
-                continue;
-            }
-            let t = tree::RankTree::new(self.hosts, c % 2);
-            let (parent, kids) = (t.parent[me], &t.children[me]);
-            let (mut up, mut down, mut root_lane) = (Vec::new(), Vec::new(), Vec::new());
-            for i in 0..len.div_ceil(self.chunk) {
-                let (off, l) = (lo + i * self.chunk, self.chunk.min(len - i * self.chunk));
-                let (inp, out) = (Region::input(off, l), Region::output(off, l));
-                let up_steps = tree_up(parent, kids, inp, out);
-                // The root sends what it just completed in its output buffer.
-                let down_steps = tree_down(parent, kids, out, out);
-                if parent.is_none() {
-                    root_lane.extend(up_steps);
-                    root_lane.extend(down_steps);
-                } else {
-                    up.extend(up_steps);
-                    down.extend(down_steps);
-                }
-            }
-            for steps in [root_lane, up, down] {
-                if !steps.is_empty() {
-                    lanes.push(lane(c, steps));
-                }
-            }
-        }
-        lanes
-    }
-
-    /// One-shot all-reduce: chunk by chunk, every rank sends its contribution to every
-    /// peer, then receives theirs and folds all n in rank order into its output. The next
-    /// chunk goes out before the previous one is received, so one chunk is in flight each
-    /// way; a chunk is sent before the same chunk of the output is written (in place,
-    /// that is the input).
-    fn one_shot_all_reduce(&self) -> Vec<Lane> {
-        let me = self.rank;
-        (0..self.channels())
-            .map(|c| {
-                let chunks = self.block_chunks(c);
-                let slots = self.chunk_slots(c);
-                let send = |(off, l): (usize, usize), steps: &mut Vec<Step>| {
-                    steps.extend(self.peers().map(|to| Step::Send {
-                        to,
-                        src: Region::input(off, l),
-                    }));
-                };
-                let mut steps = Vec::new();
-                for (i, &(off, l)) in chunks.iter().enumerate() {
-                    if i == 0 {
-                        send((off, l), &mut steps);
-                    }
-                    if let Some(&next) = chunks.get(i + 1) {
-                        send(next, &mut steps);
-                    }
-                    let own = Region::input(off, l);
-                    self.fold(&slots, me, own, Region::output(off, l), &mut steps);
-                }
-                lane(c, steps)
-            })
-            .collect()
-    }
-
-    /// Two-shot all-reduce: like the ring, each channel walks its share in iterations of
-    /// `nranks × chunk` elements split into one piece per rank; in each, every rank sends
-    /// piece `p` to rank `p`, folds the n contributions to its own piece in rank order,
-    /// sends the result to every peer and receives theirs.
-    fn two_shot_all_reduce(&self) -> Vec<Lane> {
-        let (me, n) = (self.rank, self.nranks);
-        (0..self.channels())
-            .map(|c| {
-                let (lo, len) = split_even(self.count, self.channels(), c);
-                let per_iter = n * self.chunk;
-                // Pieces are longest in channel 0's first iteration.
-                let share = split_even(self.count, self.channels(), 0).1;
-                let slots = FoldSlots::new(c, split_even(per_iter.min(share), n, 0).1);
-                let mut steps = Vec::new();
-                for it in self.iterations(lo, len) {
-                    for to in self.peers() {
-                        let (off, l) = it.piece(to);
-                        steps.push(Step::Send {
-                            to,
-                            src: Region::input(off, l),
-                        });
-                    }
-                    let (off, l) = it.piece(me);
-                    let mine = Region::output(off, l);
-                    self.fold(&slots, me, Region::input(off, l), mine, &mut steps);
-                    steps.extend(self.peers().map(|to| Step::Send { to, src: mine }));
-                    for from in self.peers() {
-                        let (off, l) = it.piece(from);
-                        steps.push(Step::Recv {
-                            from,
-                            dst: Region::output(off, l),
-                        });
-                    }
-                }
-                lane(c, steps)
-            })
-            .collect()
-    }
-
-    /// One-shot reduce-scatter: chunk by chunk of a block, every rank sends the chunk of
-    /// block `p` to rank `p` and folds the n contributions to its own block in rank order.
-    fn one_shot_reduce_scatter(&self) -> Vec<Lane> {
-        let (me, count) = (self.rank, self.count);
-        self.lanes_by_chunk(|c, _, off, l, steps| {
-            let slots = &self.chunk_slots(c);
-            steps.extend(self.peers().map(|to| Step::Send {
-                to,
-                src: Region::input(to * count + off, l),
-            }));
-            let own = Region::input(me * count + off, l);
-            self.fold(slots, me, own, Region::output(off, l), steps);
-        })
-    }
-
-    /// One-shot reduce: every rank sends each chunk to the root, which folds the n
-    /// contributions in rank order.
-    fn one_shot_reduce(&self, root: usize) -> Vec<Lane> {
-        let me = self.rank;
-        self.lanes_by_chunk(|c, _, off, l, steps| {
-            let slots = &self.chunk_slots(c);
-            let own = Region::input(off, l);
-            if me == root {
-                self.fold(slots, me, own, Region::output(off, l), steps);
-            } else {
-                steps.push(Step::Send { to: root, src: own });
-            }
-        })
-    }
-
-    /// One-shot broadcast: the root sends each chunk to every peer.
-    fn one_shot_broadcast(&self, root: usize) -> Vec<Lane> {
-        self.lanes_by_chunk(|_, _, off, l, steps| {
-            let dst = Region::output(off, l);
-            if self.rank == root {
-                let src = Region::input(off, l);
-                steps.extend(self.peers().map(|to| Step::Send { to, src }));
-                steps.push(Step::Copy { src, dst });
-            } else {
-                steps.push(Step::Recv { from: root, dst });
-            }
-        })
-    }
-
-    /// One-shot all-gather: every rank sends each chunk of its block to every peer and
-    /// receives theirs into place.
-    fn one_shot_all_gather(&self) -> Vec<Lane> {
-        let (me, count) = (self.rank, self.count);
-        self.lanes_by_chunk(|_, _, off, l, steps| {
-            let src = Region::input(off, l);
-            steps.extend(self.peers().map(|to| Step::Send { to, src }));
-            steps.push(Step::Copy {
-                src,
-                dst: Region::output(me * count + off, l),
-            });
-            steps.extend(self.peers().map(|from| Step::Recv {
-                from,
-                dst: Region::output(from * count + off, l),
-            }));
-        })
-    }
-
     /// The iterations of `nranks × chunk` elements that a channel walks over its share
     /// `lo..lo + len` (ring and two-shot all-reduce).
-    fn iterations(&self, lo: usize, len: usize) -> impl Iterator<Item = Iteration> {
+    pub(super) fn iterations(&self, lo: usize, len: usize) -> impl Iterator<Item = Iteration> {
         let (nranks, per_iter) = (self.nranks, self.nranks * self.chunk);
         (lo..lo + len).step_by(per_iter).map(move |base| Iteration {
             base,
@@ -1370,105 +1052,8 @@ impl Builder<'_> {
         })
     }
 
-    /// Fold slots of channel `c` for its chunks (channel 0's first chunk is the longest
-    /// of any channel, so the channels' slots never overlap).
-    fn chunk_slots(&self, c: usize) -> FoldSlots {
-        let longest = self.chunk.min(split_even(self.count, self.channels(), 0).1);
-        FoldSlots::new(c, longest)
-    }
-
-    /// The other ranks, in rank order starting after this one (so that ranks do not all
-    /// send to rank 0 first).
-    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        (1..self.nranks).map(move |k| (self.rank + k) % self.nranks)
-    }
-
-    /// The rank-order fold of one range: combines every rank's contribution to it,
-    /// `x₀ ⊕ x₁ ⊕ … ⊕ xₙ₋₁` left to right, `own` standing for this rank's, and stores the
-    /// result in `dst`. Each received contribution is folded straight from the FIFO into
-    /// the partial result (kept in the lane's scratch slot, so that `dst` may be `own`,
-    /// in place: it is written by the last step only); only x₀ is copied there first
-    /// when it is neither this rank's nor followed by it.
-    fn fold(&self, slots: &FoldSlots, me: usize, own: Region, dst: Region, steps: &mut Vec<Step>) {
-        let n = self.nranks;
-        if n == 1 {
-            steps.push(Step::Copy { src: own, dst });
-            return;
-        }
-        let acc = slots.acc(own.len);
-        // The result of combining up to rank j: the destination at the end.
-        let into = |j: usize| if j == n - 1 { dst } else { acc };
-        let first = match me {
-            0 => 1,
-            // x₀ arrives first and this rank's own comes next: one step.
-            1 => {
-                steps.push(Step::RecvReduceCopy {
-                    from: 0,
-                    src: own,
-                    dst: into(1),
-                    post: n == 2,
-                    local_first: false,
-                });
-                2
-            }
-            _ => {
-                steps.push(Step::Recv { from: 0, dst: acc });
-                1
-            }
-        };
-        for j in first..n {
-            // The partial so far: this rank's contribution alone when it is x₀.
-            let partial = if j == 1 && me == 0 { own } else { acc };
-            let (post, dst) = (j == n - 1, into(j));
-            steps.push(if j == me {
-                Step::Reduce {
-                    a: partial,
-                    b: own,
-                    dst,
-                    post,
-                }
-            } else {
-                Step::RecvReduceCopy {
-                    from: j,
-                    src: partial,
-                    dst,
-                    post,
-                    local_first: true,
-                }
-            });
-        }
-    }
-
-    /// Tree broadcast: the root's data flows down tree 0 re-rooted at the root, chunk by
-    /// chunk, each rank forwarding to its children as it receives.
-    fn tree_broadcast(&self, root: usize) -> Vec<Lane> {
-        let t = tree::RankTree::rooted_at(self.hosts, root);
-        let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
-        self.lanes_by_chunk(|_, _, off, l, steps| {
-            let (inp, out) = (Region::input(off, l), Region::output(off, l));
-            steps.extend(tree_down(parent, kids, inp, out));
-        })
-    }
-
-    /// Tree reduce: the contributions flow up tree 0 re-rooted at the root, chunk by
-    /// chunk, each rank adding its children's partial sums to its own contribution. A
-    /// rank with several children accumulates in the call's scratch memory (only the
-    /// root has a receive buffer).
-    fn tree_reduce(&self, root: usize) -> Vec<Lane> {
-        let t = tree::RankTree::rooted_at(self.hosts, root);
-        let (parent, kids) = (t.parent[self.rank], &t.children[self.rank]);
-        self.lanes_by_chunk(|_, _, off, l, steps| {
-            let acc = if parent.is_none() {
-                Region::output(off, l)
-            } else {
-                Region::scratch(off, l)
-            };
-            steps.extend(tree_up(parent, kids, Region::input(off, l), acc));
-        })
-    }
-
     /// The chunks of this channel's share of one block: `(offset within block, len)`.
-    fn block_chunks(&self, channel: usize) -> Vec<(usize, usize)> {
+    pub(super) fn block_chunks(&self, channel: usize) -> Vec<(usize, usize)> {
         let (lo, len) = split_even(self.count, self.channels(), channel);
         (0..len.div_ceil(self.chunk))
             .map(|i| {
@@ -1480,7 +1065,7 @@ impl Builder<'_> {
 
     /// One lane per channel, built chunk by chunk over the channel's share of a block:
     /// `chunk_steps(channel, ring view, offset, len, steps)` appends one chunk's steps.
-    fn lanes_by_chunk(
+    pub(super) fn lanes_by_chunk(
         &self,
         mut chunk_steps: impl FnMut(usize, &RingView<'_>, usize, usize, &mut Vec<Step>),
     ) -> Vec<Lane> {
@@ -1494,167 +1079,6 @@ impl Builder<'_> {
                 lane(c, steps)
             })
             .collect()
-    }
-
-    /// Ring reduce-scatter: like the first half of all-reduce over blocks, arranged so
-    /// that rank `r` completes block `r`.
-    fn ring_reduce_scatter(&self) -> Vec<Lane> {
-        let (n, count) = (self.nranks, self.count);
-        self.lanes_by_chunk(|_, v, off, l, steps| {
-            for s in 0..n {
-                // At step s handle the block of the rank s+1 positions back, so that the
-                // last step (s = n−1) completes this rank's own block.
-                let block = v.before(s + 1);
-                let src = Region::input(block * count + off, l);
-                steps.push(v.chain_reduce_step(s, src, Region::output(off, l)));
-            }
-        })
-    }
-
-    /// Ring all-gather: each rank copies its block into place and sends it; every
-    /// block then travels n−1 hops.
-    fn ring_all_gather(&self) -> Vec<Lane> {
-        let (n, count) = (self.nranks, self.count);
-        self.lanes_by_chunk(|_, v, off, l, steps| {
-            let own = Region::output(self.rank * count + off, l);
-            if n == 1 {
-                steps.push(Step::Copy {
-                    src: Region::input(off, l),
-                    dst: own,
-                });
-                return;
-            }
-            steps.push(Step::CopySend {
-                to: v.next(),
-                src: Region::input(off, l),
-                dst: own,
-            });
-            for s in 1..n {
-                let dst = Region::output(v.before(s) * count + off, l);
-                steps.push(if s < n - 1 {
-                    Step::RecvCopySend {
-                        from: v.prev(),
-                        to: v.next(),
-                        dst,
-                    }
-                } else {
-                    Step::Recv {
-                        from: v.prev(),
-                        dst,
-                    }
-                });
-            }
-        })
-    }
-
-    /// Broadcast pipelined along the ring, starting at the root.
-    fn ring_broadcast(&self, root: usize) -> Vec<Lane> {
-        let n = self.nranks;
-        self.lanes_by_chunk(|_, v, off, l, steps| {
-            // Distance from the root along the ring.
-            let q = (v.pos + n - v.position_of(root)) % n;
-            let dst = Region::output(off, l);
-            steps.push(match q {
-                _ if n == 1 => Step::Copy {
-                    src: Region::input(off, l),
-                    dst,
-                },
-                0 => Step::CopySend {
-                    to: v.next(),
-                    src: Region::input(off, l),
-                    dst,
-                },
-                q if q < n - 1 => Step::RecvCopySend {
-                    from: v.prev(),
-                    to: v.next(),
-                    dst,
-                },
-                _ => Step::Recv {
-                    from: v.prev(),
-                    dst,
-                },
-            });
-        })
-    }
-
-    /// Reduce pipelined along the ring, ending at the root.
-    fn ring_reduce(&self, root: usize) -> Vec<Lane> {
-        let n = self.nranks;
-        self.lanes_by_chunk(|_, v, off, l, steps| {
-            // Position in the chain that starts right after the root and ends at it.
-            let q = (v.pos + n - v.position_of(root) + n - 1) % n;
-            steps.push(v.chain_reduce_step(q, Region::input(off, l), Region::output(off, l)));
-        })
-    }
-
-    /// All-to-all as direct exchanges: one lane per peer and direction, all in flight
-    /// together, so no ordering between peers can deadlock.
-    fn direct_all_to_all(&self) -> Vec<Lane> {
-        let (me, n, count) = (self.rank, self.nranks, self.count);
-        let mut lanes = vec![one(Step::Copy {
-            src: Region::input(me * count, count),
-            dst: Region::output(me * count, count),
-        })];
-        for k in 1..n {
-            let (to, from) = ((me + k) % n, (me + n - k) % n);
-            lanes.push(one(Step::Send {
-                to,
-                src: Region::input(to * count, count),
-            }));
-            lanes.push(one(Step::Recv {
-                from,
-                dst: Region::output(from * count, count),
-            }));
-        }
-        lanes
-    }
-
-    /// Gather (`to_root`: every rank's block goes to the root) or scatter (every block
-    /// comes from the root), as direct exchanges with one lane per peer.
-    fn direct_rooted(&self, root: usize, to_root: bool) -> Vec<Lane> {
-        let (me, count) = (self.rank, self.count);
-        // On the root, block `r` of all blocks; on every rank, its own block.
-        let block = |r: usize| {
-            if to_root {
-                Region::output(r * count, count)
-            } else {
-                Region::input(r * count, count)
-            }
-        };
-        let own = if to_root {
-            Region::input(0, count)
-        } else {
-            Region::output(0, count)
-        };
-        // Moves `region` between this rank and `peer`, in the collective's direction.
-        let exchange = |peer: usize, region: Region, towards_peer: bool| {
-            if towards_peer {
-                Step::Send {
-                    to: peer,
-                    src: region,
-                }
-            } else {
-                Step::Recv {
-                    from: peer,
-                    dst: region,
-                }
-            }
-        };
-        if me != root {
-            return vec![one(exchange(root, own, to_root))];
-        }
-        let (src, dst) = if to_root {
-            (own, block(me))
-        } else {
-            (block(me), own)
-        };
-        let mut lanes = vec![one(Step::Copy { src, dst })];
-        lanes.extend(
-            (0..self.nranks)
-                .filter(|&r| r != me)
-                .map(|peer| one(exchange(peer, block(peer), !to_root))),
-        );
-        lanes
     }
 }
 
