@@ -1,0 +1,181 @@
+//! Planning calls: the cost model's choice of algorithm and protocol, and the plans
+//! made from it (cached for loops that repeat one call).
+
+use super::*;
+
+/// What calls are planned with: a cost model that picks each call's algorithm and
+/// protocol, and the plan options (rings, chunks) they are made from. Host calls have
+/// one; calls on device memory another, from the GPUs ([`super::device_tuning`]).
+pub(super) struct Planner {
+    /// The cost model (the same on every rank, so choices agree).
+    pub(super) model: CostModel,
+    /// Plan options per protocol (Simple, LL: their chunks differ) and element size (1,
+    /// 2, 4 and 8 bytes: the chunk is in elements).
+    pub(super) plan_options: [[PlanOptions; 4]; 2],
+    /// Channels (rings) of its plans.
+    pub(super) channels: usize,
+}
+
+impl Planner {
+    /// `channels` rings over ranks on `hosts`, chunks from `config`, choices by `model`.
+    pub(super) fn new(
+        config: &CommConfig,
+        hosts: &[usize],
+        channels: usize,
+        model: CostModel,
+    ) -> Self {
+        let rings = PlanOptions::for_hosts(hosts, channels, 1).rings;
+        Planner {
+            model,
+            plan_options: Protocol::ALL.map(|protocol| {
+                [1usize, 2, 4, 8].map(|elem| PlanOptions {
+                    chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
+                    rings: rings.clone(),
+                    algorithm: Algorithm::Ring,
+                    hosts: hosts.to_vec(),
+                })
+            }),
+            channels,
+        }
+    }
+}
+
+impl Communicator {
+    /// The plan this rank runs for `collective` of `count` elements of `dtype` (the
+    /// algorithm, channels and chunking it would use now), for study and for checking
+    /// traces against.
+    pub fn plan_for(&self, collective: Collective, count: usize, dtype: DataType) -> Result<Plan> {
+        let raw = RawCall {
+            collective,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            input: std::ptr::null(),
+            output: std::ptr::null_mut(),
+        };
+        self.plan_with(
+            &self.planner,
+            &raw,
+            self.choice_for(collective, count * dtype.size()),
+        )
+    }
+
+    /// The plan of one operation by `planner`, kept in `last_plan` so that loops
+    /// repeating one call (training steps, benchmarks) plan once.
+    pub(super) fn single_plan<'a>(
+        &self,
+        planner: &Planner,
+        last_plan: &'a mut Option<CachedPlan>,
+        raw: &RawCall,
+    ) -> Result<&'a CachedPlan> {
+        let key = (raw.collective, raw.count, raw.dtype.size());
+        if last_plan.as_ref().is_none_or(|c| c.key != key) {
+            let choice = self.choice_with(planner, raw.collective, raw.count * raw.dtype.size());
+            let plan = self.plan_with(planner, raw, choice)?;
+            tracing::info!(
+                "rank {}: {} of {} B uses {} ({} channels)",
+                self.rank,
+                raw.collective.name(),
+                raw.count * raw.dtype.size(),
+                choice.name(),
+                planner.channels
+            );
+            *last_plan = Some(CachedPlan {
+                key,
+                scratch_elems: plan.scratch_elems(0),
+                plan,
+                choice,
+                connected: false,
+            });
+        }
+        Ok(last_plan.as_ref().expect("planned above"))
+    }
+
+    /// The fused plan of operations issued together, and each operation's choice. Each
+    /// operation gets its own algorithm and protocol, from itself alone: every rank then
+    /// agrees on each, whatever else it groups with it.
+    pub(super) fn fused_plan(
+        &self,
+        planner: &Planner,
+        raws: &[RawCall],
+    ) -> Result<(Plan, Vec<Choice>)> {
+        let choices: Vec<Choice> = raws
+            .iter()
+            .map(|r| self.choice_with(planner, r.collective, r.count * r.dtype.size()))
+            .collect();
+        let plans = raws
+            .iter()
+            .zip(&choices)
+            .map(|(raw, &c)| self.plan_with(planner, raw, c))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((Plan::fuse(plans)?, choices))
+    }
+
+    pub(super) fn plan_with(
+        &self,
+        planner: &Planner,
+        raw: &RawCall,
+        choice: Choice,
+    ) -> Result<Plan> {
+        let protocol_index = choice.protocol.index();
+        let options =
+            &planner.plan_options[protocol_index][raw.dtype.size().trailing_zeros() as usize];
+        if choice.algorithm == options.algorithm {
+            return plan::plan(raw.collective, raw.count, self.rank, self.nranks, options);
+        }
+        let options = options.clone().with_algorithm(choice.algorithm);
+        plan::plan(raw.collective, raw.count, self.rank, self.nranks, &options)
+    }
+
+    /// The algorithm and protocol a call of `collective` moving `bytes` per rank uses:
+    /// those `FERROCCL_ALGO` / `FERROCCL_PROTO` force, or the cost model's choice among
+    /// those allowed that apply to it (all-to-all, gather, scatter and send/recv have
+    /// one plan, reported as ring; every collective has a choice of protocol). In
+    /// deterministic mode a reduction uses only algorithms that fold in rank order.
+    pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
+        self.choice_with(&self.planner, collective, bytes)
+    }
+
+    pub(super) fn choice_with(
+        &self,
+        planner: &Planner,
+        collective: Collective,
+        bytes: usize,
+    ) -> Choice {
+        let rank_order = self.config.deterministic && collective.is_reducing();
+        let mut algorithms: Vec<Algorithm> = self
+            .config
+            .algorithms
+            .iter()
+            .copied()
+            .filter(|a| a.applies_to(collective) && (!rank_order || a.folds_in_rank_order()))
+            .collect();
+        if algorithms.is_empty() {
+            algorithms.push(if rank_order {
+                Algorithm::OneShot
+            } else {
+                Algorithm::Ring
+            });
+        }
+        let choice = planner.model.best(
+            collective,
+            bytes,
+            self.shape,
+            &algorithms,
+            &self.config.protocols,
+        );
+        tracing::debug!(
+            "rank {}: {} of {bytes} B on {:?}: {}",
+            self.rank,
+            collective.name(),
+            self.shape,
+            choice.name()
+        );
+        choice
+    }
+
+    /// The cost model of host calls and the job's shape (rank 0's model).
+    pub fn cost_model(&self) -> (CostModel, Shape) {
+        (self.planner.model, self.shape)
+    }
+}
