@@ -18,6 +18,7 @@
 pub mod args;
 pub mod check;
 mod device;
+pub mod limits;
 mod report;
 
 use std::io::IsTerminal;

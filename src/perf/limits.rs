@@ -1,0 +1,192 @@
+//! What the machine itself allows a collective on one host: the two reference columns
+//! of `tools/compare` that are not libraries.
+//!
+//! - **Small-message floor** ([`one_way_latency`]): the time a cache line takes to
+//!   travel from one core to another, measured as half the round trip of a spin-flag
+//!   ping-pong between two threads pinned to the first two CPUs this process may use
+//!   (where local ranks 0 and 1 are bound). An all-reduce of n ranks cannot finish
+//!   sooner than one such hand-off.
+//! - **Large-message bound** ([`copy_bandwidth`], [`all_reduce_bound`]): the bytes an
+//!   out-of-place all-reduce must move through memory, at the read+write bandwidth that
+//!   as many concurrent copies as there are ranks (at most one per CPU) reach on buffers
+//!   far larger than the caches. Each rank reads its block of every input and writes
+//!   the reduced block (`S` read … `S/n` written), then reads the other blocks of the
+//!   result and writes them: about `(2n−1)/n·S` read and `S` written per rank for a
+//!   buffer of `S` bytes, `(3n−1)·S` over all ranks.
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Pins the calling thread to `cpu`.
+fn pin_to(cpu: usize) -> Result<()> {
+    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` comes from `topo::available_cpus`, so it is below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: sched_setaffinity reads `set`, which lives for the call, for its size.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(Error::io(
+            format!("pin a thread to CPU {cpu}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// A counter alone on its cache line (so the two flags never share one).
+#[repr(align(128))]
+#[derive(Default)]
+struct Line(AtomicU64);
+
+/// One-way latency of a cache line between the first two CPUs this process may use:
+/// half the median round trip of `rounds` spin-flag ping-pongs, after a tenth as many
+/// for warm-up. Needs two CPUs (with one, the threads would take turns on it and the
+/// figure would be the scheduler's, not the hardware's).
+pub fn one_way_latency(rounds: u64) -> Result<Duration> {
+    let cpus = crate::topo::available_cpus()?;
+    if cpus.len() < 2 {
+        return Err(Error::invalid(format!(
+            "the cache-line floor needs two CPUs; this process may use {}",
+            cpus.len()
+        )));
+    }
+    let rounds = rounds.max(10);
+    let flags = Arc::new([Line::default(), Line::default()]);
+    let echo = {
+        let flags = flags.clone();
+        let cpu = cpus[1];
+        std::thread::spawn(move || -> Result<()> {
+            pin_to(cpu)?;
+            let total = rounds + rounds / 10;
+            for i in 1..=total {
+                while flags[0].0.load(Ordering::Acquire) != i {
+                    std::hint::spin_loop();
+                }
+                flags[1].0.store(i, Ordering::Release);
+            }
+            Ok(())
+        })
+    };
+    // The timing side runs on a thread of its own too, so the caller stays unpinned.
+    let ping = {
+        let cpu = cpus[0];
+        std::thread::spawn(move || -> Result<Vec<Duration>> {
+            pin_to(cpu)?;
+            // Rounds are timed in batches of 100 (a clock read costs about a round).
+            let mut batches = Vec::new();
+            let mut batch_start = Instant::now();
+            let warm = rounds / 10;
+            for i in 1..=rounds + warm {
+                if i > warm && (i - warm) % 100 == 1 {
+                    batch_start = Instant::now();
+                }
+                flags[0].0.store(i, Ordering::Release);
+                while flags[1].0.load(Ordering::Acquire) != i {
+                    std::hint::spin_loop();
+                }
+                if i > warm && (i - warm) % 100 == 0 {
+                    batches.push(batch_start.elapsed() / 100);
+                }
+            }
+            Ok(batches)
+        })
+    };
+    let mut batches = ping.join().expect("ping-pong thread panicked")?;
+    echo.join().expect("ping-pong thread panicked")?;
+    batches.sort_unstable();
+    let median = batches.get(batches.len() / 2).copied().unwrap_or_default();
+    Ok(median / 2)
+}
+
+/// Read+write bandwidth in GB/s (`2 × bytes copied / time`, summed over copiers) of
+/// `copiers` threads, each pinned to its own CPU (in the order ranks are bound) and
+/// copying its own `bytes`-byte buffer into another, best of `reps` timed rounds in
+/// which all copy at once.
+pub fn copy_bandwidth(copiers: usize, bytes: usize, reps: usize) -> Result<f64> {
+    let cpus = crate::topo::available_cpus()?;
+    if copiers == 0 || copiers > cpus.len() {
+        return Err(Error::invalid(format!(
+            "copy bandwidth: {copiers} copiers on {} available CPUs (one per CPU)",
+            cpus.len()
+        )));
+    }
+    let reps = reps.max(1);
+    let start = Arc::new(Barrier::new(copiers + 1));
+    let end = Arc::new(Barrier::new(copiers + 1));
+    let workers: Vec<_> = cpus[..copiers]
+        .iter()
+        .map(|&cpu| {
+            let (start, end) = (start.clone(), end.clone());
+            std::thread::spawn(move || -> Result<()> {
+                pin_to(cpu)?;
+                // First touch on the copier's own CPU (its NUMA node), every page.
+                let src = vec![1u8; bytes];
+                let mut dst = vec![2u8; bytes];
+                dst.copy_from_slice(&src);
+                for _ in 0..reps {
+                    start.wait();
+                    dst.copy_from_slice(black_box(&src));
+                    black_box(&mut dst);
+                    end.wait();
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        start.wait();
+        let t = Instant::now();
+        end.wait();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    for w in workers {
+        w.join().expect("copy thread panicked")?;
+    }
+    Ok(2.0 * (copiers * bytes) as f64 / best / 1e9)
+}
+
+/// Bytes an out-of-place all-reduce of `bytes` per rank moves through memory on
+/// `nranks` ranks, all ranks together: each reads `(2n−1)/n` of the buffer and writes
+/// all of it.
+pub fn all_reduce_traffic(bytes: usize, nranks: usize) -> f64 {
+    let (s, n) = (bytes as f64, nranks as f64);
+    n * ((2.0 * n - 1.0) / n * s + s)
+}
+
+/// The shortest time (seconds) an all-reduce of `bytes` on `nranks` ranks can take at
+/// `rw_gbps` of read+write bandwidth ([`copy_bandwidth`]).
+pub fn all_reduce_bound(bytes: usize, nranks: usize, rw_gbps: f64) -> f64 {
+    all_reduce_traffic(bytes, nranks) / (rw_gbps * 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_reduce_traffic_counts_each_ranks_reads_and_writes() {
+        // 2 ranks: each reads 1.5 S and writes S.
+        assert_eq!(all_reduce_traffic(1000, 2), 5000.0);
+        // 4 ranks: each reads 1.75 S and writes S.
+        assert_eq!(all_reduce_traffic(1000, 4), 11000.0);
+        // At 10 GB/s read+write, 5 GB of traffic takes half a second.
+        assert!((all_reduce_bound(1_000_000_000, 2, 10.0) - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn copiers_beyond_the_cpus_are_refused_by_name() {
+        let cpus = crate::topo::available_cpus().unwrap().len();
+        let e = copy_bandwidth(cpus + 1, 4096, 1).unwrap_err().to_string();
+        assert!(e.contains("copiers"), "{e}");
+        assert!(copy_bandwidth(0, 4096, 1).is_err());
+        // A small copy measures something positive and finite.
+        let bw = copy_bandwidth(1, 1 << 20, 2).unwrap();
+        assert!(bw.is_finite() && bw > 0.0, "{bw}");
+    }
+}
