@@ -141,6 +141,9 @@ pub struct CostModel {
     pub local: LinkCost,
     /// Between ranks of one host, LL protocol.
     pub local_ll: LinkCost,
+    /// Between ranks of one host, single copy (the receiver reads the sender's buffer:
+    /// a descriptor's hand-off and a system call per piece, then one pass over memory).
+    pub local_single: LinkCost,
     /// Between hosts (TCP).
     pub net: LinkCost,
 }
@@ -149,12 +152,17 @@ impl Default for CostModel {
     /// Measured on a 2-core VM: shared memory hands off in about 1 µs when ranks share
     /// cores and moves ~10 GB/s; LL hands off about 0.09 µs sooner (`ferroccl-tune
     /// measure`, 2 processes: 8-byte ping-pong 0.48 µs against 0.56–0.62 µs) and moves
-    /// ~2 GB/s (1.85–2.26 GB/s measured); loopback TCP through the proxies takes ~30 µs
-    /// a step and ~1.6 GB/s.
+    /// ~2 GB/s (1.85–2.26 GB/s measured); single copy between processes hands off in
+    /// 2.3 µs (a descriptor, then a system call) and moves 4.9 GB/s (2026-11-25: the
+    /// kernel's cross-memory copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on
+    /// this machine it loses to two copies through a cache-resident FIFO and the model
+    /// never picks it unless told to); loopback TCP through the proxies takes ~30 µs a
+    /// step and ~1.6 GB/s.
     fn default() -> Self {
         CostModel {
             local: LinkCost::new(1.0, 10.0),
             local_ll: LinkCost::new(0.9, 2.0),
+            local_single: LinkCost::new(2.3, 4.9),
             net: LinkCost::new(30.0, 1.6),
         }
     }
@@ -168,6 +176,7 @@ impl CostModel {
         for (var, cost) in [
             ("FERROCCL_TUNE_LOCAL", &mut m.local),
             ("FERROCCL_TUNE_LOCAL_LL", &mut m.local_ll),
+            ("FERROCCL_TUNE_LOCAL_SINGLE", &mut m.local_single),
             ("FERROCCL_TUNE_NET", &mut m.net),
         ] {
             if let Ok(t) = std::env::var(var) {
@@ -177,12 +186,13 @@ impl CostModel {
         Ok(m)
     }
 
-    /// The wire form, for sharing rank 0's model: `local;local_ll;net`.
+    /// The wire form, for sharing rank 0's model: `local;local_ll;local_single;net`.
     pub fn to_text(&self) -> String {
         format!(
-            "{};{};{}",
+            "{};{};{};{}",
             self.local.to_text(),
             self.local_ll.to_text(),
+            self.local_single.to_text(),
             self.net.to_text()
         )
     }
@@ -190,15 +200,16 @@ impl CostModel {
     /// Reads [`CostModel::to_text`]'s form; `whose` names it in errors.
     pub fn parse(whose: &str, text: &str) -> Result<Self> {
         let parts: Vec<&str> = text.split(';').collect();
-        let [local, local_ll, net] = parts[..] else {
+        let [local, local_ll, local_single, net] = parts[..] else {
             return Err(Error::Env {
                 var: whose.into(),
-                detail: format!("{text:?} is not `local;local_ll;net`"),
+                detail: format!("{text:?} is not `local;local_ll;local_single;net`"),
             });
         };
         Ok(CostModel {
             local: LinkCost::parse(whose, local)?,
             local_ll: LinkCost::parse(whose, local_ll)?,
+            local_single: LinkCost::parse(whose, local_single)?,
             net: LinkCost::parse(whose, net)?,
         })
     }
@@ -208,6 +219,7 @@ impl CostModel {
         match protocol {
             Protocol::Simple => self.local,
             Protocol::LL => self.local_ll,
+            Protocol::SingleCopy => self.local_single,
         }
     }
 
@@ -281,7 +293,12 @@ impl CostModel {
     /// hand-off and the same blocks (reduce-scatter folding them); the direct
     /// collectives and send/recv one hand-off and the blocks they move.
     pub fn time(&self, collective: Collective, choice: Choice, bytes: usize, shape: Shape) -> f64 {
-        if !choice.algorithm.applies_to(collective) {
+        if !choice.algorithm.applies_to(collective)
+            || !choice
+                .protocol
+                .carries(collective, choice.algorithm, shape.ranks)
+            || (choice.protocol == Protocol::SingleCopy && shape.hosts > 1)
+        {
             return f64::INFINITY;
         }
         let n1 = shape.ranks.saturating_sub(1) as f64;
@@ -337,13 +354,19 @@ impl CostModel {
                 }
             }
         }
-        best.map_or(
-            Choice {
-                algorithm: Algorithm::Ring,
-                protocol: protocols.first().copied().unwrap_or_default(),
-            },
-            |(c, _)| c,
-        )
+        // Nothing applies: the ring, with the first protocol that can carry it.
+        let fallback = || Choice {
+            algorithm: Algorithm::Ring,
+            protocol: protocols
+                .iter()
+                .copied()
+                .find(|p| {
+                    p.carries(collective, Algorithm::Ring, shape.ranks)
+                        && (*p != Protocol::SingleCopy || shape.hosts <= 1)
+                })
+                .unwrap_or_default(),
+        };
+        best.map_or_else(fallback, |(c, _)| c)
     }
 
     /// The model's pick for an all-reduce of `bytes` among ring and tree and every
@@ -601,12 +624,13 @@ mod tests {
                 && (a.beta - b.beta).abs() <= a.beta * 1e-12
         };
         assert!(close(back.local, m.local) && close(back.local_ll, m.local_ll));
+        assert!(close(back.local_single, m.local_single));
         assert!(close(back.net, m.net), "{back:?}");
         let err = CostModel::parse("rank 0", "1,2;3,4")
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("rank 0") && err.contains("local;local_ll;net"),
+            err.contains("rank 0") && err.contains("local;local_ll;local_single;net"),
             "{err}"
         );
     }

@@ -460,6 +460,7 @@ fn check(comms: &[Communicator], case: Case) -> usize {
     let slot_bytes = match case.protocol {
         Protocol::Simple => SIMPLE_SLOT_BYTES,
         Protocol::LL => LL_SLOT_BYTES,
+        Protocol::SingleCopy => unreachable!("device calls have no single copy"),
     };
     let mut fifos: HashMap<(usize, usize, usize), SimFifo> = HashMap::new();
     let mut per_rank = Vec::new();
@@ -513,8 +514,8 @@ fn check(comms: &[Communicator], case: Case) -> usize {
                 slots: SLOTS,
                 slot_bytes,
                 protocol: match case.protocol {
-                    Protocol::Simple => 0,
                     Protocol::LL => 1,
+                    _ => 0,
                 },
                 pad: 0,
             });

@@ -233,10 +233,20 @@ fn measure() -> Result<(), String> {
             .map_err(|e| e.to_string())?
             .ok_or("split gave no communicator")?;
         let big_bytes = match protocol {
-            Protocol::Simple => 16 << 20,
+            Protocol::Simple | Protocol::SingleCopy => 16 << 20,
             // LL is for small messages: time what it is used for.
             Protocol::LL => 1 << 20,
         };
+        // Single copy only where ranks may read each other (FERROCCL_DEBUG=INFO says
+        // why not); a communicator without it would time Simple under its name.
+        let send = ferroccl::plan::Collective::Send { peer: 1 };
+        if comm.choice_for(send, big_bytes).protocol != protocol {
+            println!(
+                "{}: not available to these ranks, not measured",
+                protocol.name()
+            );
+            continue;
+        }
         for peer in 1..n {
             let latency = ping_pong(&comm, peer, &mut [0u8; 8], 2000)?;
             let one_way = ping_pong(&comm, peer, &mut vec![0u8; big_bytes], 20)?;
@@ -276,6 +286,7 @@ fn measure() -> Result<(), String> {
     for (var, protocol, local) in [
         ("FERROCCL_TUNE_LOCAL", Protocol::Simple, true),
         ("FERROCCL_TUNE_LOCAL_LL", Protocol::LL, true),
+        ("FERROCCL_TUNE_LOCAL_SINGLE", Protocol::SingleCopy, true),
         ("FERROCCL_TUNE_NET", Protocol::Simple, false),
     ] {
         if let Some(c) = mean(protocol, local) {

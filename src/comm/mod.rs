@@ -164,6 +164,19 @@ impl RawCall {
         let reducing = self.collective.is_reducing();
         (reducing, if reducing { self.op } else { ReduceOp::Sum })
     }
+
+    /// Whether rank `rank`'s results go to its output past the caches
+    /// ([`OpBuffers::streaming`]): an output of at least [`engine::STREAMING_FROM`]
+    /// bytes that does not overlap the input. In place, the input's lines are already
+    /// cached when the result replaces them, and a streaming store would only evict
+    /// them (measured, 2 ranks, 128 MiB in place: 9.6 GB/s plain, 6.9 streaming).
+    fn streams_output(&self, rank: usize, nranks: usize) -> bool {
+        let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
+        let elem = self.dtype.size();
+        let (i0, o0) = (self.input as usize, self.output as usize);
+        let apart = i0 + ins * elem <= o0 || o0 + outs * elem <= i0;
+        outs * elem >= engine::STREAMING_FROM && apart
+    }
 }
 
 /// What every rank agrees on at initialisation (collective): everyone plans with rank
@@ -314,11 +327,17 @@ impl Communicator {
             model.net = crate::tune::LinkCost::rdma(gbps);
         }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
-        let planner = Planner::new(&config, &hosts, config.channels, model);
+        let single_copy = conns.peer_memory().is_ok();
+        let planner = Planner::new(&config, &hosts, config.channels, model, single_copy);
         let device_tuning =
             device_tuning::agree(&boot, &gpu_lines, &hosts, config.device_channels, model.net)?;
-        let device_planner =
-            Planner::new(&config, &hosts, device_tuning.channels, device_tuning.model);
+        let device_planner = Planner::new(
+            &config,
+            &hosts,
+            device_tuning.channels,
+            device_tuning.model,
+            false,
+        );
         let shape = Shape {
             ranks: nranks,
             hosts: host_count,
@@ -800,6 +819,7 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
+            streaming: raw.streams_output(self.rank, self.nranks),
         })
     }
 

@@ -9,11 +9,14 @@ use super::*;
 pub(super) struct Planner {
     /// The cost model (the same on every rank, so choices agree).
     pub(super) model: CostModel,
-    /// Plan options per protocol (Simple, LL: their chunks differ) and element size (1,
-    /// 2, 4 and 8 bytes: the chunk is in elements).
-    pub(super) plan_options: [[PlanOptions; 4]; 2],
+    /// Plan options per protocol (Simple, LL, SingleCopy: their chunks differ) and
+    /// element size (1, 2, 4 and 8 bytes: the chunk is in elements).
+    pub(super) plan_options: [[PlanOptions; 4]; 3],
     /// Channels (rings) of its plans.
     pub(super) channels: usize,
+    /// Whether its calls may use single copy (host calls, when every rank may read
+    /// every peer's memory: [`crate::transport::Connections::peer_memory`]).
+    pub(super) single_copy: bool,
 }
 
 impl Planner {
@@ -23,6 +26,7 @@ impl Planner {
         hosts: &[usize],
         channels: usize,
         model: CostModel,
+        single_copy: bool,
     ) -> Self {
         let rings = PlanOptions::for_hosts(hosts, channels, 1).rings;
         Planner {
@@ -36,6 +40,7 @@ impl Planner {
                 })
             }),
             channels,
+            single_copy,
         }
     }
 }
@@ -157,13 +162,18 @@ impl Communicator {
                 Algorithm::Ring
             });
         }
-        let choice = planner.model.best(
-            collective,
-            bytes,
-            self.shape,
-            &algorithms,
-            &self.config.protocols,
-        );
+        let offered: Vec<Protocol>;
+        let protocols = if planner.single_copy {
+            &self.config.protocols
+        } else {
+            offered = (self.config.protocols.iter().copied())
+                .filter(|&p| p != Protocol::SingleCopy)
+                .collect();
+            &offered
+        };
+        let choice = planner
+            .model
+            .best(collective, bytes, self.shape, &algorithms, protocols);
         tracing::debug!(
             "rank {}: {} of {bytes} B on {:?}: {}",
             self.rank,

@@ -89,7 +89,7 @@ pub fn one_way_latency(rounds: u64) -> Result<Duration> {
                 while flags[1].0.load(Ordering::Acquire) != i {
                     std::hint::spin_loop();
                 }
-                if i > warm && (i - warm) % 100 == 0 {
+                if i > warm && (i - warm).is_multiple_of(100) {
                     batches.push(batch_start.elapsed() / 100);
                 }
             }

@@ -41,6 +41,7 @@
 
 mod loops;
 mod num;
+pub mod stream;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

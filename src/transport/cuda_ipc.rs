@@ -223,7 +223,7 @@ pub fn fifo_at(base: u64, g: &Geometry, stage: u64) -> FcclFifo {
         slots: g.slots as u32,
         slot_bytes: g.slot_bytes as u32,
         protocol: match g.protocol {
-            Protocol::Simple => 0,
+            Protocol::Simple | Protocol::SingleCopy => 0,
             Protocol::LL => 1,
         },
         pad: 0,
@@ -284,8 +284,8 @@ impl DeviceFifos {
 
     /// The shape of `protocol`'s FIFOs.
     pub fn geometry(&self, protocol: Protocol) -> Geometry {
-        match protocol {
-            Protocol::Simple => self.simple,
+        match protocol.fifo() {
+            Protocol::Simple | Protocol::SingleCopy => self.simple,
             Protocol::LL => self.ll,
         }
     }

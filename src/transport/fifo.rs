@@ -90,7 +90,7 @@ impl Geometry {
     /// line but the first for LL (rounded down to 64 bytes).
     pub fn payload(&self) -> usize {
         match self.protocol {
-            Protocol::Simple => self.slot_bytes,
+            Protocol::Simple | Protocol::SingleCopy => self.slot_bytes,
             Protocol::LL => (self.slot_bytes / LL_LINE - 1) * LL_DATA / 64 * 64,
         }
     }
@@ -288,6 +288,11 @@ impl SendEnd {
     /// The FIFO's whole segment (header and slots), for registering it with a NIC.
     pub fn memory(&self) -> (*mut u8, usize) {
         (self.shared.seg.as_ptr(), self.shared.seg.len())
+    }
+
+    /// Slots this end has published so far (its `head`).
+    pub fn published(&self) -> u32 {
+        self.head
     }
 
     /// Slots the receiver has consumed so far (its `tail`).

@@ -29,6 +29,7 @@ pub mod rdma;
 mod routes;
 pub mod segment;
 mod shm;
+pub mod single_copy;
 pub mod tcp;
 
 use std::sync::Arc;
@@ -304,6 +305,11 @@ pub struct Connections {
     /// Link speed (Gb/s) of the slowest RDMA device in the job, when every pair of
     /// ranks on different hosts talks over RDMA.
     rdma_link_gbps: Option<f64>,
+    /// How this rank reads its peers' memory for single-copy calls, or why it may not
+    /// (the same verdict on every rank).
+    peer_memory: std::result::Result<single_copy::PeerMemory, String>,
+    /// Where single-copy calls stage what they read before reducing it.
+    staging: Vec<u8>,
 }
 
 impl std::fmt::Debug for Connections {
@@ -430,6 +436,13 @@ impl Connections {
         // Every rank says which machine it runs on and which of its CPUs it may use
         // (this also waits for every rank to have opened its FIFOs).
         let oversubscribed = CpuShare::oversubscribed_here(boot)?;
+        let peer_memory = single_copy::agree(boot, &routes)?;
+        match &peer_memory {
+            Ok(_) => tracing::info!(
+                "rank {rank}: single copy available (ranks read each other's buffers)"
+            ),
+            Err(why) => tracing::info!("rank {rank}: single copy off: {why}"),
+        }
         let shm::SharedMemory {
             bell,
             own_bell,
@@ -456,6 +469,12 @@ impl Connections {
             ll: config.ll,
             oversubscribed,
             rdma_link_gbps: routes.rdma_link_gbps,
+            staging: if peer_memory.is_ok() {
+                vec![0; single_copy::STAGING_BYTES]
+            } else {
+                Vec::new()
+            },
+            peer_memory,
         })
     }
 
@@ -491,6 +510,21 @@ impl Connections {
         }
     }
 
+    /// How this rank reads its peers' buffers for single-copy calls, or why it may not
+    /// (every rank has the same verdict, so the protocol is chosen alike).
+    pub fn peer_memory(&self) -> std::result::Result<&single_copy::PeerMemory, &str> {
+        self.peer_memory.as_ref().map_err(String::as_str)
+    }
+
+    /// The staging buffer of single-copy reductions ([`single_copy::STAGING_BYTES`]),
+    /// with the reader of peers' memory.
+    pub(crate) fn single_copy_parts(
+        &mut self,
+    ) -> Option<(&single_copy::PeerMemory, *mut u8, usize)> {
+        let memory = self.peer_memory.as_ref().ok()?;
+        Some((memory, self.staging.as_mut_ptr(), self.staging.len()))
+    }
+
     /// Whether this machine runs more ranks than they have CPUs (waiting then yields the
     /// core instead of spinning, and TCP links are read by their proxies only).
     pub fn oversubscribed(&self) -> bool {
@@ -518,8 +552,9 @@ impl Connections {
         let Some(ci) = self.channel_index(channel) else {
             return (None, None);
         };
-        // LL calls to a peer over TCP use the Simple FIFOs of its link.
-        let f = protocol.index();
+        // LL calls to a peer over TCP use the Simple FIFOs of its link; single-copy
+        // descriptors travel in the Simple FIFOs.
+        let f = protocol.fifo().index();
         let place = |p: usize| {
             (p < self.nranks).then(|| (if self.links[ci][p].is_some() { 0 } else { f }, p))
         };

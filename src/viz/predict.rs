@@ -249,6 +249,7 @@ pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
     let model = CostModel {
         local,
         local_ll: local,
+        local_single: local,
         net: topo.net,
     };
     let shape = Shape {

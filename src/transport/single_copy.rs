@@ -1,0 +1,220 @@
+//! Single copy: a receiver reads the sender's buffer itself, so a large message crosses
+//! memory once instead of twice (into a FIFO slot, then out of it).
+//!
+//! With the [`Protocol::SingleCopy`](crate::plan::Protocol::SingleCopy) protocol a
+//! message between two ranks of a host is not its bytes but a [`Descriptor`] in one
+//! slot of the Simple FIFO: where the sender's region starts and how long it is. The
+//! receiver copies the region with Linux cross-memory attach (`process_vm_readv`)
+//! between processes, or a plain copy between threads of one process, straight into its
+//! destination, or, when it reduces, in pieces into a staging buffer small enough to
+//! stay in its cache, which the reduction then reads. Releasing the slot is the
+//! receiver's "done": the sender may not write the region, nor return from the call,
+//! before the FIFO's `tail` has passed the descriptor (the engine keeps the posted
+//! regions until then). This is what MPI libraries call a rendezvous with a single copy
+//! (Open MPI's `vader` with CMA, MPICH's `nemesis` LMT).
+//!
+//! Whether the kernel lets ranks read each other is found at initialisation
+//! ([`agree`]): every rank publishes its process id and the address of a known word,
+//! reads every local peer's word, and all ranks share their verdicts; one refusal (Yama
+//! `ptrace_scope`, a seccomp filter, ranks of different users) or one peer reached over
+//! the network turns single copy off for the whole communicator, with the reason at
+//! `FERROCCL_DEBUG=INFO`, and calls keep the FIFOs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::routes::{Path, Routes};
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+
+/// The word every rank's peers read at initialisation to see whether they may.
+static PROBE_WORD: AtomicU64 = AtomicU64::new(0);
+/// What it holds (written before it is published).
+const PROBE_MAGIC: u64 = u64::from_le_bytes(*b"FCCLREAD");
+
+/// Bytes of the staging buffer a reduction reads a peer's region into, piece by piece:
+/// small enough to stay in a core's L2 cache beside the other operands.
+pub const STAGING_BYTES: usize = 256 * 1024;
+
+/// Bytes of a [`Descriptor`] in a slot.
+pub const DESCRIPTOR_BYTES: usize = 24;
+
+/// Flag: the region is the sender's own contribution, which still needs the op's
+/// pre-operation (the sender does not apply it when it only publishes its input).
+pub const NEEDS_PRE: u64 = 1;
+
+/// A message by reference: `bytes` bytes at `addr` in the sender's address space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Where the region starts, in the sender's memory.
+    pub addr: u64,
+    /// Its length.
+    pub bytes: u64,
+    /// [`NEEDS_PRE`] or 0.
+    pub flags: u64,
+}
+
+impl Descriptor {
+    /// Writes the descriptor into a slot.
+    ///
+    /// # Safety
+    /// `slot` must be writable for [`DESCRIPTOR_BYTES`] bytes.
+    pub unsafe fn write(&self, slot: *mut u8) {
+        let words = [self.addr, self.bytes, self.flags];
+        // SAFETY: the caller provides DESCRIPTOR_BYTES writable bytes; unaligned
+        // writes need no alignment.
+        unsafe {
+            std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), slot, DESCRIPTOR_BYTES)
+        };
+    }
+
+    /// Reads a descriptor from a slot of `len` bytes.
+    ///
+    /// # Safety
+    /// `slot` must be readable for `len` bytes.
+    pub unsafe fn read(slot: *const u8, len: usize) -> Option<Self> {
+        if len != DESCRIPTOR_BYTES {
+            return None;
+        }
+        let mut words = [0u64; 3];
+        // SAFETY: `len` readable bytes, checked to be DESCRIPTOR_BYTES.
+        unsafe {
+            std::ptr::copy_nonoverlapping(slot, words.as_mut_ptr().cast::<u8>(), DESCRIPTOR_BYTES)
+        };
+        Some(Descriptor {
+            addr: words[0],
+            bytes: words[1],
+            flags: words[2],
+        })
+    }
+}
+
+/// How this rank reads its peers' memory.
+#[derive(Debug)]
+pub struct PeerMemory {
+    /// Each rank's process id (equal to this rank's: a thread of this process).
+    pids: Vec<u32>,
+    own_pid: u32,
+}
+
+impl PeerMemory {
+    /// Copies `len` bytes at `addr` in rank `peer`'s memory to `dst`; on failure, what
+    /// happened (for [`CallInfo::peer_failed`](crate::error::CallInfo::peer_failed)).
+    ///
+    /// # Safety
+    /// `dst` must be writable for `len` bytes; when `peer` is a thread of this process,
+    /// `addr` must be readable for `len` bytes and not overlap `dst` (the sender's
+    /// region, which it keeps until the receiver releases the descriptor).
+    pub unsafe fn read(
+        &self,
+        peer: usize,
+        addr: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> std::result::Result<(), String> {
+        let pid = self.pids[peer];
+        if pid == self.own_pid {
+            // SAFETY: by this function's contract.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, dst, len) };
+            return Ok(());
+        }
+        let mut done = 0usize;
+        while done < len {
+            let local = libc::iovec {
+                // SAFETY: within the `len` writable bytes at `dst`.
+                iov_base: unsafe { dst.add(done) }.cast(),
+                iov_len: len - done,
+            };
+            let remote = libc::iovec {
+                iov_base: (addr as usize + done) as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            // SAFETY: the local iovec covers memory this rank may write (contract); the
+            // kernel checks the remote one against the peer's mappings and fails
+            // (EFAULT) rather than touch anything else.
+            let got =
+                unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+            if got <= 0 {
+                let err = if got == 0 {
+                    std::io::Error::from(std::io::ErrorKind::UnexpectedEof)
+                } else {
+                    std::io::Error::last_os_error()
+                };
+                return Err(format!(
+                    "reading {len} bytes of rank {peer}'s memory at {addr:#x} failed after \
+                     {done} (process_vm_readv from pid {pid}: {err}): its process is gone, or \
+                     it left the call while this rank read its buffer"
+                ));
+            }
+            done += got as usize;
+        }
+        Ok(())
+    }
+}
+
+/// Finds, with every rank (collective), whether ranks may read each other's memory:
+/// `Ok(Ok(reader))` when every pair of ranks is on one host and every rank could read
+/// every peer, `Ok(Err(why))` otherwise (the first refusal, named).
+pub(super) fn agree(
+    boot: &Bootstrap,
+    routes: &Routes,
+) -> Result<std::result::Result<PeerMemory, String>> {
+    let (rank, nranks) = (routes.rank, routes.nranks);
+    let own_pid = std::process::id();
+    PROBE_WORD.store(PROBE_MAGIC, Ordering::Release);
+    let mut hello = Vec::with_capacity(12);
+    hello.extend_from_slice(&own_pid.to_le_bytes());
+    hello.extend_from_slice(&(PROBE_WORD.as_ptr() as u64).to_le_bytes());
+    let all = boot.all_gather(&hello)?;
+    let mut pids = Vec::with_capacity(nranks);
+    let mut words = Vec::with_capacity(nranks);
+    for (r, bytes) in all.iter().enumerate() {
+        let (Some(pid), Some(word)) = (bytes.get(..4), bytes.get(4..12)) else {
+            return Err(Error::BootstrapData {
+                rank: r,
+                detail: format!("single-copy probe of {} bytes, not 12", bytes.len()),
+            });
+        };
+        pids.push(u32::from_le_bytes(pid.try_into().expect("4 bytes")));
+        words.push(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+    }
+    let reader = PeerMemory { pids, own_pid };
+    let verdict = (0..nranks)
+        .filter(|&p| p != rank)
+        .find_map(|p| probe(&reader, routes, p, words[p]).err())
+        .unwrap_or_default();
+    // Every rank must decide alike (the protocol is chosen per call from the same
+    // facts on every rank): the verdicts go round, and the first refusal counts.
+    let verdicts = boot.all_gather(verdict.as_bytes())?;
+    // Past this all-gather every peer has read this rank's word.
+    match verdicts.iter().enumerate().find(|(_, v)| !v.is_empty()) {
+        None => Ok(Ok(reader)),
+        Some((r, why)) => Ok(Err(format!("rank {r}: {}", String::from_utf8_lossy(why)))),
+    }
+}
+
+/// Whether this rank may read `peer`'s memory: reads its probe word at `word`.
+fn probe(
+    reader: &PeerMemory,
+    routes: &Routes,
+    peer: usize,
+    word: u64,
+) -> std::result::Result<(), String> {
+    match routes.to(peer) {
+        Path::Shm | Path::InProcess => {}
+        other => return Err(format!("rank {peer} is reached over {other:?}, not memory")),
+    }
+    let mut got = 0u64;
+    // SAFETY: `got` is 8 writable bytes; a peer in this process published the address
+    // of its static probe word, readable for the program's life.
+    let read = unsafe { reader.read(peer, word, (&raw mut got).cast(), 8) };
+    match read {
+        Ok(()) if got == PROBE_MAGIC => Ok(()),
+        Ok(()) => Err(format!(
+            "reading rank {peer}'s memory gave {got:#x}, not its probe word"
+        )),
+        Err(reason) => Err(format!(
+            "the kernel refuses reading rank {peer}'s memory (Yama ptrace_scope, a seccomp \
+             filter or another user?): {reason}"
+        )),
+    }
+}
