@@ -101,6 +101,15 @@ fn three_ranks_two_channels_with_ll_forced() {
     check_ranks_with(3, config);
 }
 
+/// Ranks that are threads read each other's buffers with plain copies: the whole grid
+/// with single copy forced (2 ranks, so the ring's reductions carry it too).
+#[test]
+fn two_ranks_two_channels_with_single_copy_forced() {
+    let mut config = config(2);
+    config.protocols = vec![Protocol::SingleCopy];
+    check_ranks_with(2, config);
+}
+
 #[test]
 fn four_ranks_with_simple_forced() {
     let mut config = config(1);
@@ -134,7 +143,7 @@ fn ranks_with_different_settings_fail_at_init() {
     for e in errors {
         assert!(
             e.contains(
-                "rank 1's settings differ from rank 0's: FERROCCL_PROTO: Simple,LL vs Simple"
+                "rank 1's settings differ from rank 0's: FERROCCL_PROTO: Simple,LL,SingleCopy vs Simple"
             ),
             "{e}"
         );
@@ -317,7 +326,7 @@ mod properties {
             chunk_slots in 1usize..=4,
             slot_kib in prop::sample::select(vec![1usize, 4, 16]),
             channels in 1usize..=3,
-            protocols_index in 0usize..3,
+            protocols_index in 0usize..4,
             in_place in any::<bool>(),
         ) {
             let root = root_seed % n;
@@ -339,8 +348,12 @@ mod properties {
                 chunk_bytes: chunk_slots * (slot_kib << 10),
                 // Small LL slots, so LL calls span many slices too.
                 ll_payload_bytes: 512,
-                protocols: [Protocol::ALL.to_vec(), vec![Protocol::LL], vec![Protocol::Simple]]
-                    [protocols_index]
+                protocols: [
+                    Protocol::ALL.to_vec(),
+                    vec![Protocol::LL],
+                    vec![Protocol::Simple],
+                    vec![Protocol::SingleCopy],
+                ][protocols_index]
                     .clone(),
                 ..CommConfig::default()
             };

@@ -189,6 +189,7 @@ fn the_tools_page_shows_every_tools_help_as_it_prints_it() {
         env!("CARGO_BIN_EXE_ferrorun"),
         env!("CARGO_BIN_EXE_ferroccl-topo"),
         env!("CARGO_BIN_EXE_ferroccl-tune"),
+        env!("CARGO_BIN_EXE_ferroccl-limits"),
         env!("CARGO_BIN_EXE_ferroccl-viz"),
         env!("CARGO_BIN_EXE_ferroccl-rendezvous"),
         env!("CARGO_BIN_EXE_all_reduce_perf"),

@@ -8,7 +8,8 @@
 //! - `kill_at_<step>_<algorithm>_<protocol>_<mode>`: rank 2 of 4 SIGKILLs itself as it
 //!   starts a plan step of that kind (send, recv, reduce, copy; see `src/fault.rs`) in
 //!   its 4th call, for the ring, the tree (a host per rank, over TCP) and one-shot, LL
-//!   and Simple, in blocking calls, asynchronous calls and groups;
+//!   and Simple, and the two-shot with single copy (the survivors read the victim's
+//!   buffers as it dies), in blocking calls, asynchronous calls and groups;
 //! - `stop_at_<step>_<algorithm>`: rank 2 SIGSTOPs itself instead: the survivors' deadline
 //!   fires and names it; after SIGCONT it fails too (never returns data);
 //! - `store_server_killed_*`: the process hosting the bootstrap store dies while ranks
@@ -55,12 +56,14 @@ enum Algo {
     Ring,
     Tree,
     OneShot,
+    TwoShot,
 }
 
 #[derive(Clone, Copy, Debug)]
 enum Proto {
     Simple,
     LL,
+    SingleCopy,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -78,9 +81,15 @@ fn main() -> ExitCode {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("FERROCCL_SOCKET_IFNAME", "=lo") };
     let mut tests: Vec<(String, TestFn)> = Vec::new();
-    for algo in [Algo::Ring, Algo::Tree, Algo::OneShot] {
+    for algo in [Algo::Ring, Algo::Tree, Algo::OneShot, Algo::TwoShot] {
         for step in steps_of(algo) {
-            for proto in [Proto::Simple, Proto::LL] {
+            // Single copy on the two-shot (the all-reduce that carries it on 4 ranks):
+            // peers read the victim's buffers as it dies.
+            let protos: &[Proto] = match algo {
+                Algo::TwoShot => &[Proto::SingleCopy],
+                _ => &[Proto::Simple, Proto::LL],
+            };
+            for &proto in protos {
                 for mode in [Mode::Blocking, Mode::Async, Mode::Group] {
                     tests.push((
                         format!(
@@ -150,6 +159,7 @@ impl Algo {
             Algo::Ring => "ring",
             Algo::Tree => "tree",
             Algo::OneShot => "one_shot",
+            Algo::TwoShot => "two_shot",
         }
     }
 }
@@ -159,6 +169,7 @@ impl Algo {
     fn planned_name(self) -> &'static str {
         match self {
             Algo::OneShot => "oneshot",
+            Algo::TwoShot => "twoshot",
             other => other.name(),
         }
     }
@@ -170,6 +181,7 @@ impl Proto {
         match self {
             Proto::Simple => "Simple",
             Proto::LL => "LL",
+            Proto::SingleCopy => "SingleCopy",
         }
     }
 }
@@ -186,12 +198,13 @@ impl Mode {
 
 /// The kinds of step rank 2's all-reduce plan has under `algo` (4 ranks). One-shot
 /// sends its input to every peer, receives theirs into scratch memory and reduces
-/// locally: it copies nothing without reducing. (A row whose step never comes fails:
+/// locally, and two-shot sends blocks, folds its own and receives the others' results:
+/// neither copies without reducing. (A row whose step never comes fails:
 /// the victim must die by the fault.)
 fn steps_of(algo: Algo) -> Vec<&'static str> {
     match algo {
         Algo::Ring | Algo::Tree => vec!["send", "recv", "reduce", "copy"],
-        Algo::OneShot => vec!["send", "recv", "reduce"],
+        Algo::OneShot | Algo::TwoShot => vec!["send", "recv", "reduce"],
     }
 }
 

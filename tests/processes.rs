@@ -29,8 +29,15 @@ fn main() -> ExitCode {
     if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
         return ExitCode::from(child(&role));
     }
-    let tests: [(&str, PlainTest); 10] = [
+    let tests: [(&str, PlainTest); 13] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
+        ("grid_on_three_processes_with_single_copy_forced", || {
+            grid_on_processes(3, Net::ShmSingleCopy)
+        }),
+        (
+            "grid_on_two_processes_with_single_copy_refused_by_the_kernel",
+            || grid_on_processes(2, Net::ShmSingleCopyRefused),
+        ),
         ("grid_on_four_processes_with_ll_forced", || {
             grid_on_processes(4, Net::ShmLL)
         }),
@@ -55,6 +62,9 @@ fn main() -> ExitCode {
         }),
         ("killed_rank_across_hosts_is_named", || {
             killed_rank_is_named(Net::TwoHosts)
+        }),
+        ("killed_rank_is_named_while_its_buffer_is_read", || {
+            killed_rank_is_named(Net::ShmSingleCopy)
         }),
     ];
     run_tests(
@@ -95,6 +105,13 @@ enum Net {
     TwoHostsLL,
     /// One host per rank, all-reduce on the double binary tree (`FERROCCL_ALGO=tree`).
     HostPerRankTree,
+    /// One host, every call that can with single copy (`FERROCCL_PROTO=SingleCopy`):
+    /// ranks read each other's buffers with `process_vm_readv`.
+    ShmSingleCopy,
+    /// As `ShmSingleCopy`, but the kernel refuses rank 1's cross-memory reads (a
+    /// seccomp filter, as a container's profile would): every rank falls back to the
+    /// FIFOs, and says why.
+    ShmSingleCopyRefused,
 }
 
 /// Starts `n` copies of this binary as ranks of one communicator.
@@ -122,8 +139,15 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 cmd.env("FERROCCL_PROTO", "LL")
                     .env("FERROCCL_DEBUG", "INFO");
             }
+            if matches!(net, Net::ShmSingleCopy | Net::ShmSingleCopyRefused) {
+                cmd.env("FERROCCL_PROTO", "SingleCopy")
+                    .env("FERROCCL_DEBUG", "INFO");
+            }
+            if net == Net::ShmSingleCopyRefused && rank == 1 {
+                cmd.env("FERROCCL_TEST_REFUSE_CMA", "1");
+            }
             match net {
-                Net::Shm | Net::ShmLL => {}
+                Net::Shm | Net::ShmLL | Net::ShmSingleCopy | Net::ShmSingleCopyRefused => {}
                 Net::TwoHosts | Net::TwoHostsLL => {
                     cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
                 }
@@ -152,7 +176,7 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
 }
 
 fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
-    let role = if net == Net::Shm {
+    let role = if matches!(net, Net::Shm | Net::ShmSingleCopy) {
         "grid"
     } else {
         "small-grid"
@@ -183,8 +207,84 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
                 return Err(format!("rank {rank} used Simple with LL forced:\n{err}"));
             }
         }
+        // Single copy forced: probed and used (the two-shot all-reduce, the direct
+        // all-gather); refused: off for every rank, with rank 1's reason, and every
+        // call on the FIFOs.
+        let (wanted, unwanted): (&[&str], &str) = match net {
+            Net::ShmSingleCopy => (
+                &[
+                    "single copy available",
+                    "all_reduce of 262148 B uses twoshot/SingleCopy",
+                    "all_gather of 4 B uses oneshot/SingleCopy",
+                ],
+                "single copy off",
+            ),
+            Net::ShmSingleCopyRefused => (
+                &[
+                    "single copy off: rank 1: the kernel refuses reading rank 0's memory",
+                    "Operation not permitted",
+                    "all_reduce of 262148 B uses ring/Simple",
+                ],
+                "/SingleCopy",
+            ),
+            _ => (&[], ""),
+        };
+        if let Some(w) = wanted.iter().find(|w| !err.contains(*w)) {
+            return Err(format!("rank {rank} did not log {w:?}:\n{err}"));
+        }
+        if !unwanted.is_empty() && err.contains(unwanted) {
+            return Err(format!("rank {rank} logged {unwanted:?}:\n{err}"));
+        }
     }
     Ok(())
+}
+
+/// Makes the kernel refuse this process's `process_vm_readv` calls with `EPERM`: a
+/// seccomp filter, as a container's profile (or Yama, from the other side) would.
+fn refuse_cross_memory_reads() {
+    // BPF: load the system call's number; process_vm_readv -> ERRNO(EPERM), else allow.
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const RET_K: u16 = 0x06;
+    const RET_ERRNO: u32 = 0x0005_0000;
+    const RET_ALLOW: u32 = 0x7fff_0000;
+    let filter = [
+        libc::sock_filter {
+            code: LD_W_ABS,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+        libc::sock_filter {
+            code: JEQ_K,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_process_vm_readv as u32,
+        },
+        libc::sock_filter {
+            code: RET_K,
+            jt: 0,
+            jf: 0,
+            k: RET_ERRNO | libc::EPERM as u32,
+        },
+        libc::sock_filter {
+            code: RET_K,
+            jt: 0,
+            jf: 0,
+            k: RET_ALLOW,
+        },
+    ];
+    let prog = libc::sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with these arguments reads `prog` (and its filter), which live for
+    // the calls; the filter only makes one system call fail.
+    let ok = unsafe {
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            && libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog) == 0
+    };
+    assert!(ok, "seccomp: {}", std::io::Error::last_os_error());
 }
 
 fn killed_rank_is_named(net: Net) -> Result<(), String> {
@@ -249,6 +349,9 @@ fn child(role: &str) -> u8 {
     let id: UniqueId = var("FERROCCL_TEST_ID").parse().unwrap();
     let rank: usize = var("FERROCCL_TEST_RANK").parse().unwrap();
     let n: usize = var("FERROCCL_TEST_NRANKS").parse().unwrap();
+    if std::env::var_os("FERROCCL_TEST_REFUSE_CMA").is_some() {
+        refuse_cross_memory_reads();
+    }
     let comm = match Communicator::init_rank_with(&id, n, rank, config()) {
         Ok(c) => c,
         Err(e) => {

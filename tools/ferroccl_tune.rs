@@ -7,9 +7,11 @@
 //! ```
 //!
 //! `measure` times a ping-pong between rank 0 and each other rank, once per protocol
-//! (8 bytes for the latency α; 16 MiB with Simple, 1 MiB with LL for the bandwidth β),
-//! sorts the peers into same-host and other-host, and prints the `FERROCCL_TUNE_LOCAL`,
-//! `FERROCCL_TUNE_LOCAL_LL` and `FERROCCL_TUNE_NET` settings to use. `predict` prints
+//! (8 bytes for the latency α; 16 MiB with Simple and single copy, 1 MiB with LL for the
+//! bandwidth β; single copy only where the ranks may read each other's memory), sorts
+//! the peers into same-host and other-host, and prints the `FERROCCL_TUNE_LOCAL`,
+//! `FERROCCL_TUNE_LOCAL_LL`, `FERROCCL_TUNE_LOCAL_SINGLE` and `FERROCCL_TUNE_NET`
+//! settings to use. `predict` prints
 //! the model's ring and tree times with each protocol for an all-reduce from 8 B to
 //! 1 GiB, its pick, and the sizes where the tree and LL stop being faster.
 
@@ -52,8 +54,8 @@ enum Command {
     /// e.g. under ferrorun) and print the FERROCCL_TUNE_* settings to use.
     Measure,
     /// Print the model's all-reduce times, its picks and its crossovers for a job's shape
-    /// (the link costs default to FERROCCL_TUNE_LOCAL, FERROCCL_TUNE_LOCAL_LL and
-    /// FERROCCL_TUNE_NET, else to built-in values).
+    /// (the link costs default to FERROCCL_TUNE_LOCAL, FERROCCL_TUNE_LOCAL_LL,
+    /// FERROCCL_TUNE_LOCAL_SINGLE and FERROCCL_TUNE_NET, else to built-in values).
     Predict(PredictArgs),
 }
 

@@ -13,8 +13,8 @@
 use super::{LaneState, OpBuffers, addr, move_slice, op_of};
 use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
-use crate::transport::Connections;
 use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE};
+use crate::transport::{Connections, PeerState};
 
 /// A region this rank published to a peer, which the peer may still be reading.
 #[derive(Clone, Copy, Debug)]
@@ -254,43 +254,43 @@ unsafe fn receive(
              {from} but got {descriptor:?} (ranks called different operations or counts?)"
         )));
     };
-    let rank = conns.rank();
-    let failed = |why: String| call.peer_failed(rank, (from, why));
     let Some((memory, stage, stage_bytes)) = conns.single_copy_parts() else {
         return Err(Error::invalid(
             "engine: a single-copy call on connections without single copy",
         ));
     };
     let pre = d.flags & NEEDS_PRE != 0;
-    match *step {
+    let read = match *step {
         Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => {
             // SAFETY (block): `dst` is `bytes` writable bytes by contract; the peer keeps
-            // its region until this rank releases the descriptor.
+            // its region until this rank releases the descriptor (or fails: below).
             unsafe {
                 let out = addr(ops, &dst, 0);
-                memory.read(from, d.addr, out, bytes).map_err(failed)?;
-                if pre {
-                    op.kernel.pre(out, out, len);
-                }
+                memory.read(from, d.addr, out, bytes).inspect(|()| {
+                    if pre {
+                        op.kernel.pre(out, out, len);
+                    }
+                })
             }
         }
         Step::RecvReduceCopy { .. } | Step::RecvReduceCopySend { .. } => {
             let per_piece = (stage_bytes / elem).max(1);
             let mut done = 0;
-            while done < len {
+            let mut read = Ok(());
+            while done < len && read.is_ok() {
                 let n = per_piece.min(len - done);
                 let at = d.addr + (done * elem) as u64;
                 // SAFETY (block): the staging buffer holds `stage_bytes` ≥ n·elem bytes
                 // and overlaps no user buffer; regions in bounds by contract.
-                unsafe {
-                    memory.read(from, at, stage, n * elem).map_err(failed)?;
+                read = unsafe { memory.read(from, at, stage, n * elem) }.inspect(|()| unsafe {
                     if pre {
                         op.kernel.pre(stage, stage, n);
                     }
                     move_slice(step, ops, op, done, n, Some(stage), None);
-                }
+                });
                 done += n;
             }
+            read
         }
         _ => {
             return Err(Error::invalid(format!(
@@ -298,6 +298,19 @@ unsafe fn receive(
                  stores); the cost model should not have chosen it"
             )));
         }
+    };
+    // A peer leaves a failed call only after closing its bell (`Communicator::fail_after`),
+    // and only then may its owner free the region: if the bell is still open after the
+    // read, what was read is what the peer published. If it is closed, or the read
+    // failed, the call fails, naming whom the peer blames (or the peer).
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    let left = matches!(conns.peer_state(from, false), PeerState::Closed(_));
+    if left || read.is_err() {
+        let why = read.err().unwrap_or_else(|| {
+            format!("rank {from} left the call while this rank read its buffer")
+        });
+        let failure = conns.peer_failure(&[from], true).unwrap_or((from, why));
+        return Err(call.peer_failed(conns.rank(), failure));
     }
     let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
     recv.ok_or_else(|| no_connection(step, channel))?.release();

@@ -140,9 +140,9 @@ impl PeerMemory {
                     std::io::Error::last_os_error()
                 };
                 return Err(format!(
-                    "reading {len} bytes of rank {peer}'s memory at {addr:#x} failed after \
-                     {done} (process_vm_readv from pid {pid}: {err}): its process is gone, or \
-                     it left the call while this rank read its buffer"
+                    "rank {peer} failed while this rank read its buffer ({len} bytes at \
+                     {addr:#x}, {done} read; process_vm_readv of pid {pid}: {err}): its \
+                     process is gone, or it left the call"
                 ));
             }
             done += got as usize;
