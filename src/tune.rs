@@ -6,7 +6,8 @@
 //! `S` bytes over `n` ranks on `h` hosts (`k` ranks per host):
 //!
 //! - **ring**: 2(n−1) steps of `S/n` bytes each, paced by the slowest link of the ring
-//!   (the network when `h > 1`): `2(n−1)·α + 2(n−1)/n · S/β`;
+//!   (the network when `h > 1`), plus the pipeline's fill (a block moves a slice of at
+//!   most 128 KiB at a time): `2(n−1)·α + 2(n−1)/n · S/β + (2n−3)·min(S/n, 128 KiB)/β`;
 //! - **one-shot**: each rank sends its whole buffer to each of the n−1 others in one
 //!   hand-off, and folds the n−1 it receives straight from the FIFOs: it reduces
 //!   (n−1)·S bytes where a ring rank reduces (n−1)/n·S, `α + (n−1)·S/β +
@@ -41,6 +42,13 @@
 use crate::error::{Error, Result};
 use crate::plan::Protocol;
 use crate::plan::{Algorithm, Collective};
+
+/// Bytes a ring hop hands on at a time (the default FIFO slot): a block goes round the
+/// ring slice by slice, so the pipeline takes `2n−3` slices (or blocks, if smaller) to
+/// fill. Without that term the model put the 2-rank crossover from one-shot to the ring
+/// at 20 KB, where the measured one is between 128 and 512 KiB (2 processes, busbw at
+/// 32 KiB: one-shot 9.9 GB/s, ring 5.5; 128 KiB: 12.6 and 7.4; 512 KiB: 13.5 and 16.5).
+const RING_SLICE: f64 = 128.0 * 1024.0;
 
 /// Latency and bandwidth of one kind of link.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -262,9 +270,23 @@ impl CostModel {
             Algorithm::TwoShot => {
                 2.0 * pace.alpha + 2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta
             }
-            Algorithm::Ring => 2.0 * n1 * pace.alpha + 2.0 * n1 / n * s / pace.beta,
-            Algorithm::Tree => 2.0 * self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
+            Algorithm::Ring => {
+                2.0 * n1 * pace.alpha
+                    + 2.0 * n1 / n * s / pace.beta
+                    + (2.0 * n - 3.0) * (s / n).min(RING_SLICE) / pace.beta
+            }
+            Algorithm::Tree => {
+                2.0 * self.tree_pass(shape, choice.protocol)
+                    + 2.0 * s / pace.beta
+                    + 2.0 * self.tree_depth(shape) * s.min(RING_SLICE) / pace.beta
+            }
         }
+    }
+
+    /// Links from a leaf of the tree to its root: ⌈log₂ hosts⌉ levels and the host chain
+    /// (the pipeline's fill, slice by slice, up and down).
+    fn tree_depth(&self, shape: Shape) -> f64 {
+        (shape.hosts.max(1) as f64).log2().ceil() + shape.ranks_per_host.max(1) as f64 - 1.0
     }
 
     /// Predicted seconds for a broadcast of `bytes` with `choice`: a pipelined chain
@@ -469,10 +491,13 @@ mod tests {
             let x = m.crossover(one_host, is_ll).unwrap();
             assert!(m.choose(x - 1, one_host).protocol == Protocol::LL);
             assert!(m.choose(x, one_host).protocol == Protocol::Simple);
-            // Where the ring's 2(n-1) hand-offs and 2(n-1)/n S bytes cost the same with
-            // either protocol: S = n (a_Simple - a_LL) / (1/b_LL - 1/b_Simple).
+            // Where the ring's 2(n-1) hand-offs, 2(n-1)/n S bytes and (2n-3) S/n bytes of
+            // pipeline fill cost the same with either protocol:
+            // S = 2(n-1) n (a_Simple - a_LL) / ((4n-5) (1/b_LL - 1/b_Simple)).
             let (simple, ll) = (m.local, m.local_ll);
-            let at = ranks as f64 * (simple.alpha - ll.alpha) / (1.0 / ll.beta - 1.0 / simple.beta);
+            let n = ranks as f64;
+            let at = 2.0 * (n - 1.0) * n * (simple.alpha - ll.alpha)
+                / ((4.0 * n - 5.0) * (1.0 / ll.beta - 1.0 / simple.beta));
             assert!((x as f64 - at).abs() <= at * 1e-6 + 2.0, "{x} vs {at}");
         }
         // Across hosts LL would slice the TCP traffic finely: Simple unless forced.

@@ -477,6 +477,7 @@ unsafe fn advance(
         // No step writes memory a peer may still be reading (single copy).
         // SAFETY: regions in bounds by contract.
         if st.done == 0
+            && !posted.is_empty()
             && let Some(w) = unsafe { single_copy::written(step, ops) }
             && unsafe { posted.blocks(conns, ops, &w) }
         {

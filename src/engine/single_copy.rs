@@ -82,6 +82,11 @@ impl<'a> PostedRegions<'a> {
         }
     }
 
+    /// Whether no published region is outstanding (as last pruned).
+    pub(super) fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
     /// The peers still reading this rank's regions.
     pub(super) fn readers(&self) -> impl Iterator<Item = usize> + '_ {
         self.list.iter().map(|p| p.peer)
