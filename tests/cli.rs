@@ -30,6 +30,7 @@ fn run(exe: &str, args: &[&str]) -> Output {
         .env_remove("FERROCCL_CPU_BIND")
         .env_remove("FERROCCL_TUNE_LOCAL")
         .env_remove("FERROCCL_TUNE_LOCAL_LL")
+        .env_remove("FERROCCL_TUNE_LOCAL_SINGLE")
         .env_remove("FERROCCL_TUNE_NET")
         .env("NO_COLOR", "1")
         .output()
@@ -440,7 +441,7 @@ fn typical_command_lines_work_as_before() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(
-        text.starts_with("# all-reduce on 4 ranks, 2 hosts; local 1.00 us 10.00 GB/s (LL 0.80 us 3.00 GB/s), net 30.00 us 1.25 GB/s"),
+        text.starts_with("# all-reduce on 4 ranks, 2 hosts; local 1.00 us 10.00 GB/s (LL 0.80 us 3.00 GB/s, single copy 2.30 us 4.90 GB/s), net 30.00 us 1.25 GB/s"),
         "{text}"
     );
     assert!(text.contains("# protocol:"), "{text}");

@@ -3,6 +3,7 @@
 //! ```text
 //! ferrorun --nproc-per-node 2 -- ferroccl-tune measure   # (or under srun/mpirun, or across hosts)
 //! ferroccl-tune predict --ranks 4 --hosts 4 [--net 30,1.25] [--local 1,10] [--local-ll 0.8,3]
+//!                       [--local-single 2.3,4.9]
 //! ferroccl-tune --completions bash                       # the shell's completion script
 //! ```
 //!
@@ -81,6 +82,10 @@ struct PredictArgs {
     /// The link between ranks on one host, with the LL protocol.
     #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
     local_ll: Option<LinkCost>,
+
+    /// The link between ranks on one host, with single copy.
+    #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
+    local_single: Option<LinkCost>,
 }
 
 /// Reads a link's `alpha_us,gbps`.
@@ -122,6 +127,7 @@ fn predict(args: PredictArgs) -> Result<(), String> {
         (&mut model.net, args.net),
         (&mut model.local, args.local),
         (&mut model.local_ll, args.local_ll),
+        (&mut model.local_single, args.local_single),
     ] {
         if let Some(given) = given {
             *cost = given;
@@ -132,11 +138,14 @@ fn predict(args: PredictArgs) -> Result<(), String> {
     let shape = Shape::even(ranks, hosts);
     let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
     println!(
-        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}), net {}",
+        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}, single copy {}), net {}",
         show(model.local),
         show(model.local_ll),
+        show(model.local_single),
         show(model.net)
     );
+    // The pairs that have a plan here (single copy: not on reducing rings of more than
+    // two ranks, trees or the one-shot all-reduce; and inside one host only).
     let candidates: Vec<Choice> = Algorithm::ALL
         .into_iter()
         .flat_map(|algorithm| {
@@ -145,6 +154,7 @@ fn predict(args: PredictArgs) -> Result<(), String> {
                 protocol,
             })
         })
+        .filter(|&c| model.time(Collective::AllReduce, c, 1, shape).is_finite())
         .collect();
     print!("# {:>12}", "bytes");
     for c in &candidates {
