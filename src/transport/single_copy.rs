@@ -14,7 +14,7 @@
 //! (Open MPI's `vader` with CMA, MPICH's `nemesis` LMT).
 //!
 //! Whether the kernel lets ranks read each other is found at initialisation
-//! ([`agree`]): every rank publishes its process id and the address of a known word,
+//! (`agree`): every rank publishes its process id and the address of a known word,
 //! reads every local peer's word, and all ranks share their verdicts; one refusal (Yama
 //! `ptrace_scope`, a seccomp filter, ranks of different users) or one peer reached over
 //! the network turns single copy off for the whole communicator, with the reason at
