@@ -913,8 +913,11 @@ fn gpu_two_gpus_with_or_without_p2p_give_the_host_engines_results() {
 fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
     let Some((ctx, _)) = gpu() else { return };
     let one_block = std::env::var("FERROCCL_SIM_RESIDENT_BLOCKS").as_deref() == Ok("1");
+    // The ring, whose kernels wait on each other at every step (the cost model's
+    // pipeline-fill term now gives 2 ranks the one-shot at this size).
     let config = CommConfig {
         timeout: std::time::Duration::from_secs(3),
+        algorithms: vec![ferroccl::plan::Algorithm::Ring],
         ..config_of(Shape {
             protocol: Protocol::Simple,
             channels: 1,
