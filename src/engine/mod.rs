@@ -380,7 +380,7 @@ fn blocked_peers(
             peers.push(p);
         }
         if let (Some(p), Some(s)) = (to, send)
-            && s.try_reserve().is_none()
+            && !s.has_room()
         {
             peers.push(p);
         }
@@ -540,7 +540,7 @@ unsafe fn advance(
                 None => None,
             };
             let outbound = match send.as_deref_mut() {
-                Some(s) => match s.try_reserve() {
+                Some(s) => match s.try_reserve(bytes) {
                     Some(p) => Some(p),
                     None => break,
                 },

@@ -160,7 +160,7 @@ pub(super) unsafe fn advance_step(
     let bytes = region.len * op.kernel.dtype().size();
     let (send, _) = conns.ends(channel, op.protocol, Some(to), None);
     let send = send.ok_or_else(|| no_connection(step, channel))?;
-    let Some(slot) = send.try_reserve() else {
+    let Some(slot) = send.try_reserve(DESCRIPTOR_BYTES) else {
         return Ok((moved, false));
     };
     let descriptor = Descriptor {

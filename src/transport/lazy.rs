@@ -45,6 +45,9 @@ pub(super) struct LazyFifos {
     pub(super) kinds: Vec<Option<SegmentKind>>,
     /// The FIFO format of each protocol ([`Protocol::index`]), if it exists.
     pub(super) formats: [Option<Geometry>; 2],
+    /// Whether the FIFOs rotate short messages through their slots
+    /// ([`fifo::SendEnd::set_rotating`]: where every rank has a core of its own).
+    pub(super) rotating: bool,
 }
 
 impl LazyFifos {
@@ -53,8 +56,10 @@ impl LazyFifos {
         boot: &crate::bootstrap::Bootstrap,
         routes: &Routes,
         config: &TransportConfig,
+        rotating: bool,
     ) -> Self {
         LazyFifos {
+            rotating,
             store: boot.store().clone(),
             kinds: (0..routes.nranks)
                 .map(|p| {
@@ -116,7 +121,9 @@ impl Connections {
             let name = fifo_segment_name(&self.lazy.prefix, g, ci, self.channels, p, rank);
             let seg = Segment::create(kind, &name, g.segment_bytes())?;
             made.0.push((kind, name));
-            self.recvs[f][ci][p] = Some(fifo::recv_end(seg, g)?);
+            let mut end = fifo::recv_end(seg, g)?;
+            end.set_rotating(self.lazy.rotating);
+            self.recvs[f][ci][p] = Some(end);
             self.lazy.store.set(&key(f, ci, p, rank, "made"), b"")?;
         }
         #[cfg(feature = "rdma")]
@@ -128,7 +135,9 @@ impl Connections {
             let kind = self.lazy.kinds[p].expect("local peer");
             let name = fifo_segment_name(&self.lazy.prefix, g, ci, self.channels, rank, p);
             let seg = Segment::open(kind, &name, g.segment_bytes())?;
-            self.sends[f][ci][p] = Some(fifo::send_end(seg, g, &name)?);
+            let mut end = fifo::send_end(seg, g, &name)?;
+            end.set_rotating(self.lazy.rotating);
+            self.sends[f][ci][p] = Some(end);
             self.lazy.store.set(&key(f, ci, rank, p, "opened"), b"")?;
         }
         #[cfg(feature = "rdma")]

@@ -334,6 +334,33 @@ pub(crate) struct Ends {
 }
 
 impl Ends {
+    /// Sets whether the FIFOs to and from this host's ranks rotate short messages
+    /// through their slots ([`fifo::SendEnd::set_rotating`]); network FIFOs, which
+    /// proxies fill and drain, never do.
+    fn rotate_local(&mut self, routes: &routes::Routes, on: bool) {
+        let local = |p: usize| routes.is_local_peer(p);
+        for per_channel in &mut self.sends {
+            for (p, end) in per_channel
+                .iter_mut()
+                .flat_map(|c| c.iter_mut().enumerate())
+            {
+                if let Some(end) = end.as_mut().filter(|_| local(p)) {
+                    end.set_rotating(on);
+                }
+            }
+        }
+        for per_channel in &mut self.recvs {
+            for (p, end) in per_channel
+                .iter_mut()
+                .flat_map(|c| c.iter_mut().enumerate())
+            {
+                if let Some(end) = end.as_mut().filter(|_| local(p)) {
+                    end.set_rotating(on);
+                }
+            }
+        }
+    }
+
     /// None yet, for `channels` ring channels (and the point-to-point one) and `nranks`.
     fn new(channels: usize, nranks: usize) -> Self {
         Ends {
@@ -436,6 +463,15 @@ impl Connections {
         // Every rank says which machine it runs on and which of its CPUs it may use
         // (this also waits for every rank to have opened its FIFOs).
         let oversubscribed = CpuShare::oversubscribed_here(boot)?;
+        // Both ends of a FIFO between ranks of this host see the same answer, and
+        // nothing has been sent yet.
+        ends.rotate_local(&routes, !oversubscribed);
+        if !oversubscribed {
+            tracing::info!(
+                "rank {rank}: every rank here has a core: short messages rotate through \
+                 their FIFO slots"
+            );
+        }
         let peer_memory = single_copy::agree(boot, &routes)?;
         match &peer_memory {
             Ok(_) => tracing::info!(
@@ -452,7 +488,7 @@ impl Connections {
         drop(created);
         log_routes(&routes, config, &net, tcp_links);
         Ok(Connections {
-            lazy: lazy::LazyFifos::new(boot, &routes, config),
+            lazy: lazy::LazyFifos::new(boot, &routes, config, !oversubscribed),
             rank,
             nranks: routes.nranks,
             channels: routes.channels,

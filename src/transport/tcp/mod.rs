@@ -803,7 +803,7 @@ mod tests {
             for i in 0..count {
                 let m = slot_message(i, g.slot_bytes);
                 let slot = loop {
-                    if let Some(p) = tx.try_reserve() {
+                    if let Some(p) = tx.try_reserve(m.len()) {
                         break p;
                     }
                     assert_eq!(link_a.state(), LinkState::Up, "slot {i}");
@@ -899,8 +899,8 @@ mod tests {
         let (mut link_a, mut tx, _rx_a) = start(a, "a");
         let (link_b, _tx_b, mut rx) = start(b, "b");
         for i in 0..g.slots {
-            let slot = tx.try_reserve().expect("a free slot");
             let m = slot_message(i, g.slot_bytes);
+            let slot = tx.try_reserve(m.len()).expect("a free slot");
             // SAFETY: the reserved slot holds `slot_bytes` bytes until commit.
             unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), slot, m.len()) };
             tx.commit(m.len());
