@@ -805,6 +805,7 @@ impl Communicator {
 
     /// The buffers and kernels of one operation of a host call (`scratch`: its part of
     /// the call's scratch memory, or null).
+    #[inline]
     fn op_buffers(&self, raw: &RawCall, choice: Choice, scratch: *mut u8) -> Result<OpBuffers> {
         let (reducing, op) = raw.reduction();
         let plain = match op {

@@ -101,7 +101,14 @@ impl Bell {
     /// [`MAX_WAITING_ON`]; none once its call ended).
     pub fn set_waiting_on(&self, peers: &[usize]) {
         let peers = &peers[..peers.len().min(MAX_WAITING_ON)];
-        if self.waiting_on().iter().eq(peers.iter()) {
+        // Compared in place: every call ends by clearing the list, and most find it
+        // clear already.
+        let listed = self.word(WAITING_ON).load(Ordering::Relaxed) as usize;
+        if listed == peers.len()
+            && peers.iter().enumerate().all(|(i, &p)| {
+                self.word(WAITING_ON + 4 * (i + 1)).load(Ordering::Relaxed) as usize == p
+            })
+        {
             return;
         }
         for (i, &p) in peers.iter().enumerate() {
