@@ -135,12 +135,7 @@ impl Communicator {
         // The device watchdog's verdict reaches ncclCommGetAsyncError and the next
         // call without waiting for the state lock.
         let failure = self.failure.clone();
-        let on_timeout = move |why: String| {
-            failure
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert(why);
-        };
+        let on_timeout = move |why: String| failure.set(why);
         // Peers in other processes of this host: the watchdog notices their exit.
         let me = &self.boot.peers()[self.rank];
         let peers = self

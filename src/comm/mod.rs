@@ -91,7 +91,7 @@ pub struct Communicator {
     /// call.
     abort_bell: Arc<Bell>,
     /// Set once a call failed while moving data, or on abort (the first reason kept).
-    failure: Arc<Mutex<Option<String>>>,
+    failure: Arc<FailureSlot>,
     /// The device side's abort word, once there is a device side.
     device_abort: OnceLock<crate::engine::device::AbortWord>,
 }
@@ -215,6 +215,38 @@ fn agree_at_init(
     }
     let model = CostModel::parse("rank 0's cost model", model)?;
     Ok((model, texts.iter().map(|[_, gpu, _]| gpu.clone()).collect()))
+}
+
+/// Why a communicator stopped being usable, once it has: its own lock, not the
+/// state's, which a running call holds (asking must not wait for the call), and a
+/// flag, so that every call's check costs one load rather than a lock and unlock.
+#[derive(Debug, Default)]
+pub(crate) struct FailureSlot {
+    failed: std::sync::atomic::AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl FailureSlot {
+    /// The first reason set, if any.
+    pub(crate) fn get(&self) -> Option<String> {
+        if !self.failed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Records `reason` unless a reason was recorded before.
+    pub(crate) fn set(&self, reason: String) {
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(reason);
+        self.failed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
 }
 
 impl Communicator {
@@ -427,19 +459,11 @@ impl Communicator {
 
     /// The first error this communicator failed with, if it has (`ncclCommGetAsyncError`).
     pub fn failure(&self) -> Option<String> {
-        // Its own lock, not the state's, which a running call holds: asking must not
-        // wait for the call.
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.failure.get()
     }
 
     fn set_failure(&self, reason: String) {
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(reason);
+        self.failure.set(reason);
     }
 
     /// Waits for every call issued so far (blocking or asynchronous) to finish.
