@@ -11,7 +11,7 @@ use common::{collectives, ops, run_and_check};
 use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
-use ferroccl::transport::Protocol;
+use ferroccl::transport::{Protocol, SlotStores};
 use ferroccl::{Communicator, DataType, ReduceOp};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
@@ -108,6 +108,19 @@ fn two_ranks_two_channels_with_single_copy_forced() {
     let mut config = config(2);
     config.protocols = vec![Protocol::SingleCopy];
     check_ranks_with(2, config);
+}
+
+/// Slots written with non-temporal stores (what a rank does towards a peer it measures
+/// far): the grid on 2 ranks (one-shot, two-shot and the ring's reductions into slots)
+/// and on 3 (the ring's copy-and-send and receive-reduce-send steps).
+#[test]
+fn streaming_slot_stores_on_two_and_three_ranks() {
+    for (ranks, channels) in [(2, 2), (3, 1)] {
+        let mut config = config(channels);
+        config.protocols = vec![Protocol::Simple];
+        config.slot_stores = SlotStores::Streaming;
+        check_ranks_with(ranks, config);
+    }
 }
 
 #[test]

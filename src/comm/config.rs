@@ -7,7 +7,7 @@ use crate::env::{env_first, env_number};
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
 use crate::transport::fifo::{Geometry, Protocol};
-use crate::transport::{NetChoice, Striping, TransportChoice};
+use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 
 /// Settings of a [`Communicator`](super::Communicator).
 ///
@@ -22,6 +22,7 @@ use crate::transport::{NetChoice, Striping, TransportChoice};
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
+/// | `FERROCCL_SLOT_STORES` (`auto`, `plain`, `streaming`) | `slot_stores` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, `twoshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_DETERMINISTIC` (`1`/`0`) | `deterministic` | off |
 /// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
@@ -52,6 +53,9 @@ pub struct CommConfig {
     /// Which transport to use between ranks of one host (TCP is always used across
     /// hosts).
     pub transport: TransportChoice,
+    /// How slots towards peers of this host are written: plain stores, non-temporal
+    /// ones, or (auto) non-temporal towards peers whose cache measures far.
+    pub slot_stores: SlotStores,
     /// The algorithms the cost model may choose from (one to force it), for the
     /// collectives each applies to ([`Algorithm::applies_to`]).
     pub algorithms: Vec<Algorithm>,
@@ -95,6 +99,7 @@ impl Default for CommConfig {
             slot_bytes,
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
+            slot_stores: SlotStores::Auto,
             algorithms: Algorithm::ALL.to_vec(),
             deterministic: false,
             protocols: Protocol::ALL.to_vec(),
@@ -186,6 +191,12 @@ impl CommConfig {
                     });
                 }
             };
+        }
+        if let Some((var, text)) = env_first(&["FERROCCL_SLOT_STORES"]) {
+            c.slot_stores = SlotStores::parse(&text).map_err(|detail| Error::Env {
+                var: var.into(),
+                detail,
+            })?;
         }
         c.validate()?;
         Ok(c)

@@ -344,6 +344,8 @@ impl Communicator {
             &TransportConfig {
                 geometry: config.geometry(),
                 ll: config.ll_geometry(),
+                single_copy: config.protocols.contains(&Protocol::SingleCopy),
+                slot_stores: config.slot_stores,
                 rings: rings.clone(),
                 choice: config.transport,
                 connect_timeout: config.bootstrap.timeout,

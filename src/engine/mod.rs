@@ -92,6 +92,11 @@ pub struct OpBuffers {
 /// 4.0 → 5.6–7.0, 128 MiB 4.5 → 7.3.
 pub const STREAMING_FROM: usize = 8 << 20;
 
+/// Slices of at least this many bytes bound for a far peer's slot
+/// ([`Connections::is_far`]) are written with non-temporal stores: below it, a slice is
+/// a few lines, and partial write-combining buffers cost more than they save.
+pub const FAR_SLOT_STREAMING_FROM: usize = 4096;
+
 #[derive(Clone, Copy, Default)]
 struct LaneState {
     step: usize,
@@ -504,6 +509,8 @@ unsafe fn advance(
         if let Some(p) = to {
             conns.poll_for_room(channel, p);
         }
+        // Slots towards a peer whose cache is far are written past this rank's cache.
+        let far = to.is_some_and(|p| op.protocol == Protocol::Simple && conns.is_far(p));
         let (send, recv) = conns.ends(channel, op.protocol, to, from);
         let (mut send, mut recv) = match (
             to.is_some() == send.is_some(),
@@ -546,9 +553,14 @@ unsafe fn advance(
                 },
                 None => None,
             };
+            let slots = SliceSlots {
+                inbound,
+                outbound,
+                far,
+            };
             // SAFETY: slots are owned by this side between peek/reserve and
             // release/commit and hold `bytes`; regions are in bounds by contract.
-            unsafe { move_slice(step, ops, &op, st.done, n, inbound, outbound) };
+            unsafe { move_slice(step, ops, &op, st.done, n, slots) };
             if let Some(r) = recv.as_deref_mut() {
                 r.release();
                 rang_from = true;
@@ -641,7 +653,18 @@ unsafe fn local_step(ops: &[OpBuffers], step: &Step) -> usize {
     elem
 }
 
-/// Moves one slice of `n` elements starting `skip` elements into the step.
+/// The slots one slice moves through: the received one, the one to send, and whether
+/// the peer it goes to is far ([`Connections::is_far`]).
+#[derive(Clone, Copy)]
+pub(crate) struct SliceSlots {
+    pub(crate) inbound: Option<*const u8>,
+    pub(crate) outbound: Option<*mut u8>,
+    pub(crate) far: bool,
+}
+
+/// Moves one slice of `n` elements starting `skip` elements into the step; towards a
+/// far peer, a slice of [`FAR_SLOT_STREAMING_FROM`] bytes or more bound for the
+/// outgoing slot goes there with non-temporal stores.
 ///
 /// # Safety
 /// `inbound` / `outbound` are slots of at least `n` elements owned by this side;
@@ -654,10 +677,15 @@ unsafe fn move_slice(
     op: &OpBuffers,
     skip: usize,
     n: usize,
-    inbound: Option<*const u8>,
-    outbound: Option<*mut u8>,
+    slots: SliceSlots,
 ) {
+    let SliceSlots {
+        inbound,
+        outbound,
+        far,
+    } = slots;
     let bytes = n * op.kernel.dtype().size();
+    let stream_slot = far && bytes >= FAR_SLOT_STREAMING_FROM;
     let k = &op.kernel;
     // SAFETY (whole block): the caller guarantees the slots and regions; slots never
     // overlap user buffers, so non-overlapping copies between them are sound, and the
@@ -674,29 +702,42 @@ unsafe fn move_slice(
                 std::ptr::copy_nonoverlapping(s, d, bytes);
             }
         };
+        // Into the outgoing slot.
+        let fill = |s: *const u8| {
+            if stream_slot {
+                stream_copy(o, s, bytes);
+            } else {
+                std::ptr::copy_nonoverlapping(s, o, bytes);
+            }
+        };
         match *step {
             Step::Send { src, .. } => {
                 let s = addr(ops, &src, skip);
-                if op.reducing && src.buf == Buf::Input {
+                if op.reducing && src.buf == Buf::Input && k.has_pre() {
                     k.pre(o, s, n);
                 } else {
-                    std::ptr::copy_nonoverlapping(s, o, bytes);
+                    fill(s);
                 }
             }
             Step::Recv { dst, .. } => store(addr(ops, &dst, skip), x, &dst),
             Step::CopySend { src, dst, .. } => {
                 let (s, d) = (addr(ops, &src, skip), addr(ops, &dst, skip));
-                if op.reducing && src.buf == Buf::Input {
+                if op.reducing && src.buf == Buf::Input && k.has_pre() {
                     k.pre(o, s, n);
                 } else {
-                    std::ptr::copy_nonoverlapping(s, o, bytes);
+                    fill(s);
                 }
                 if s != d {
                     store(d, o, &dst);
                 }
             }
             Step::RecvReduceSend { src, .. } => {
-                operand_kernel(op, &src).reduce(o, x, addr(ops, &src, skip), n);
+                let kernel = operand_kernel(op, &src);
+                if stream_slot {
+                    kernel.reduce_streaming(o, x, addr(ops, &src, skip), n, false);
+                } else {
+                    kernel.reduce(o, x, addr(ops, &src, skip), n);
+                }
             }
             Step::RecvReduceCopy {
                 src,
@@ -748,14 +789,14 @@ unsafe fn move_slice(
                     k.post(d, n);
                     // Single copy sends `dst` by reference afterwards: no slot.
                     if !o.is_null() {
-                        std::ptr::copy_nonoverlapping(d, o, bytes);
+                        fill(d);
                     }
                 }
             }
             Step::RecvCopySend { dst, .. } => {
                 store(addr(ops, &dst, skip), x, &dst);
                 if !o.is_null() {
-                    std::ptr::copy_nonoverlapping(x, o, bytes);
+                    fill(x);
                 }
             }
             Step::Copy { .. } | Step::Reduce { .. } => unreachable!("local steps are not sliced"),

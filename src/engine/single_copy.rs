@@ -10,7 +10,7 @@
 //! [`PostedRegions`]: until the peer releases it, no step of this rank writes memory
 //! that overlaps it, and the call does not return.
 
-use super::{LaneState, OpBuffers, addr, move_slice, op_of};
+use super::{LaneState, OpBuffers, SliceSlots, addr, move_slice, op_of};
 use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
 use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE};
@@ -291,7 +291,18 @@ unsafe fn receive(
                     if pre {
                         op.kernel.pre(stage, stage, n);
                     }
-                    move_slice(step, ops, op, done, n, Some(stage), None);
+                    move_slice(
+                        step,
+                        ops,
+                        op,
+                        done,
+                        n,
+                        SliceSlots {
+                            inbound: Some(stage),
+                            outbound: None,
+                            far: false,
+                        },
+                    );
                 });
                 done += n;
             }

@@ -46,6 +46,32 @@ use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::plan::P2P_CHANNEL;
 
+/// How the engine writes the slots of FIFOs to peers on its host
+/// (`FERROCCL_SLOT_STORES`; see [`fifo`], "far" peers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SlotStores {
+    /// Plain stores, and non-temporal ones towards a peer whose cache the hand-offs
+    /// measure as far.
+    #[default]
+    Auto,
+    /// Plain stores always.
+    Plain,
+    /// Non-temporal stores always (slices of 4 KiB or more).
+    Streaming,
+}
+
+impl SlotStores {
+    /// Reads `auto`, `plain` or `streaming` (case-insensitive; empty is auto).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(SlotStores::Auto),
+            "plain" => Ok(SlotStores::Plain),
+            "streaming" => Ok(SlotStores::Streaming),
+            other => Err(format!("{other:?} is not one of auto, plain, streaming")),
+        }
+    }
+}
+
 /// Which transport to use between ranks on one host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TransportChoice {
@@ -104,6 +130,11 @@ pub struct TransportConfig {
     pub geometry: Geometry,
     /// Shape of the LL FIFOs between ranks of one host; `None`: no LL FIFOs.
     pub ll: Option<Geometry>,
+    /// Whether calls may use single copy (`FERROCCL_PROTO` allows it): without it the
+    /// probe at initialisation, two all-gathers, is skipped.
+    pub single_copy: bool,
+    /// How slots towards peers on this host are written.
+    pub slot_stores: SlotStores,
     /// The ring of each collective channel (every channel connects every pair of ranks).
     pub rings: Vec<Vec<usize>>,
     /// Which transport to use.
@@ -302,6 +333,8 @@ pub struct Connections {
     ll: Option<Geometry>,
     /// More ranks on this machine than CPUs they may use (see [`oversubscribed`]).
     oversubscribed: bool,
+    /// How slots towards peers on this host are written.
+    slot_stores: SlotStores,
     /// Link speed (Gb/s) of the slowest RDMA device in the job, when every pair of
     /// ranks on different hosts talks over RDMA.
     rdma_link_gbps: Option<f64>,
@@ -472,7 +505,13 @@ impl Connections {
                  their FIFO slots"
             );
         }
-        let peer_memory = single_copy::agree(boot, &routes)?;
+        // Every rank has the same protocols (checked at initialisation), so all skip
+        // the probe alike.
+        let peer_memory = if config.single_copy {
+            single_copy::agree(boot, &routes)?
+        } else {
+            Err("FERROCCL_PROTO leaves it out".to_string())
+        };
         match &peer_memory {
             Ok(_) => tracing::info!(
                 "rank {rank}: single copy available (ranks read each other's buffers)"
@@ -504,6 +543,7 @@ impl Connections {
             geometry: config.geometry,
             ll: config.ll,
             oversubscribed,
+            slot_stores: config.slot_stores,
             rdma_link_gbps: routes.rdma_link_gbps,
             staging: if peer_memory.is_ok() {
                 vec![0; single_copy::STAGING_BYTES]
@@ -598,6 +638,31 @@ impl Connections {
         let send = to.and_then(|(f, p)| self.sends[f][ci][p].as_mut());
         let recv = from.and_then(|(f, p)| self.recvs[f][ci][p].as_mut());
         (send, recv)
+    }
+
+    /// Whether slots towards `peer` should be written with non-temporal stores: it is
+    /// on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`) the Simple FIFOs
+    /// from it find its lines in a far cache ([`fifo::RecvEnd::sender_is_far`]). With
+    /// `auto`, peers this rank never receives from on Simple FIFOs (the next rank of a
+    /// ring of three or more) are never found far.
+    pub fn is_far(&self, peer: usize) -> bool {
+        let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
+        match self.slot_stores {
+            SlotStores::Plain => false,
+            SlotStores::Streaming => {
+                peer != self.rank && peer < self.nranks && (0..self.links.len()).all(on_host)
+            }
+            SlotStores::Auto => {
+                let simple = Protocol::Simple.index();
+                self.recvs[simple].iter().enumerate().any(|(ci, per_peer)| {
+                    on_host(ci)
+                        && per_peer
+                            .get(peer)
+                            .and_then(Option::as_ref)
+                            .is_some_and(RecvEnd::sender_is_far)
+                })
+            }
+        }
     }
 
     /// This rank's own bell (to sleep on).
