@@ -165,6 +165,13 @@ impl RawCall {
         (reducing, if reducing { self.op } else { ReduceOp::Sum })
     }
 
+    /// Whether rank `rank`'s buffers are smaller than [`engine::STREAMING_FROM`]
+    /// ([`OpBuffers::fits_cache`]).
+    fn fits_cache(&self, rank: usize, nranks: usize) -> bool {
+        let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
+        ins.max(outs) * self.dtype.size() < engine::STREAMING_FROM
+    }
+
     /// Whether rank `rank`'s results go to its output past the caches
     /// ([`OpBuffers::streaming`]): an output of at least [`engine::STREAMING_FROM`]
     /// bytes that does not overlap the input. In place, the input's lines are already
@@ -847,6 +854,7 @@ impl Communicator {
             scratch,
             protocol: choice.protocol,
             streaming: raw.streams_output(self.rank, self.nranks),
+            fits_cache: raw.fits_cache(self.rank, self.nranks),
         })
     }
 

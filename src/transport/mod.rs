@@ -640,18 +640,20 @@ impl Connections {
         (send, recv)
     }
 
-    /// Whether slots towards `peer` should be written with non-temporal stores: it is
-    /// on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`) the Simple FIFOs
-    /// from it find its lines in a far cache ([`fifo::RecvEnd::sender_is_far`]). With
-    /// `auto`, peers this rank never receives from on Simple FIFOs (the next rank of a
-    /// ring of three or more) are never found far.
-    pub fn is_far(&self, peer: usize) -> bool {
+    /// Whether a call's slots towards `peer` should be written with non-temporal
+    /// stores: it is on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`)
+    /// the call's buffers `fit_cache` and the Simple FIFOs from `peer` find its lines in
+    /// a far cache ([`fifo::RecvEnd::sender_is_far`]). With `auto`, peers this rank
+    /// never receives from on Simple FIFOs (the next rank of a ring of three or more)
+    /// are never found far.
+    pub fn streams_slots_to(&self, peer: usize, fit_cache: bool) -> bool {
         let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
         match self.slot_stores {
             SlotStores::Plain => false,
             SlotStores::Streaming => {
                 peer != self.rank && peer < self.nranks && (0..self.links.len()).all(on_host)
             }
+            SlotStores::Auto if !fit_cache => false,
             SlotStores::Auto => {
                 let simple = Protocol::Simple.index();
                 self.recvs[simple].iter().enumerate().any(|(ci, per_peer)| {
