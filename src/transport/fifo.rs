@@ -43,7 +43,7 @@
 //! Writing a line that the other core read recently costs the writer an invalidation
 //! of the reader's copy; writing one the reader's cache has since dropped does not. A
 //! FIFO between ranks of one host therefore *rotates* short Simple messages through
-//! their slot ([`SendEnd::rotating`]): the `k`-th use of a slot puts a message of `len`
+//! their slot ([`SendEnd::set_rotating`]): the `k`-th use of a slot puts a message of `len`
 //! bytes at `(k mod positions) × span`, with `span` = `len` rounded up to a cache line
 //! and `positions` = how many spans the slot holds. Consecutive uses of the FIFO then
 //! walk all of its memory (1 MiB by default) instead of the first `len` bytes of each
@@ -565,7 +565,7 @@ impl RecvEnd {
         (self.shared.seg.as_ptr(), self.shared.seg.len())
     }
 
-    /// Whether the sender's recent slots came from a far cache (see [`HandoffClock`]):
+    /// Whether the sender's recent slots came from a far cache (see `HandoffClock`):
     /// most of the last 16 hand-offs through `head` took more than 0.1 µs.
     pub fn sender_is_far(&self) -> bool {
         self.handoffs.far
