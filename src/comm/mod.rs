@@ -165,24 +165,20 @@ impl RawCall {
         (reducing, if reducing { self.op } else { ReduceOp::Sum })
     }
 
-    /// Whether rank `rank`'s buffers are smaller than [`engine::STREAMING_FROM`]
-    /// ([`OpBuffers::fits_cache`]).
-    fn fits_cache(&self, rank: usize, nranks: usize) -> bool {
-        let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
-        ins.max(outs) * self.dtype.size() < engine::STREAMING_FROM
-    }
-
-    /// Whether rank `rank`'s results go to its output past the caches
-    /// ([`OpBuffers::streaming`]): an output of at least [`engine::STREAMING_FROM`]
-    /// bytes that does not overlap the input. In place, the input's lines are already
+    /// How rank `rank`'s call uses the caches: whether its results go to its output past
+    /// them ([`OpBuffers::streaming`]: an output of at least [`engine::STREAMING_FROM`]
+    /// bytes that does not overlap the input; in place, the input's lines are already
     /// cached when the result replaces them, and a streaming store would only evict
-    /// them (measured, 2 ranks, 128 MiB in place: 9.6 GB/s plain, 6.9 streaming).
-    fn streams_output(&self, rank: usize, nranks: usize) -> bool {
+    /// them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming), and
+    /// whether its buffers are smaller than that ([`OpBuffers::fits_cache`]).
+    fn cache_use(&self, rank: usize, nranks: usize) -> (bool, bool) {
         let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
         let elem = self.dtype.size();
         let (i0, o0) = (self.input as usize, self.output as usize);
         let apart = i0 + ins * elem <= o0 || o0 + outs * elem <= i0;
-        outs * elem >= engine::STREAMING_FROM && apart
+        let streaming = outs * elem >= engine::STREAMING_FROM && apart;
+        let fits_cache = ins.max(outs) * elem < engine::STREAMING_FROM;
+        (streaming, fits_cache)
     }
 }
 
@@ -845,6 +841,7 @@ impl Communicator {
             ReduceOp::PreMulSum(_) => ReduceOp::Sum,
             other => other,
         };
+        let (streaming, fits_cache) = raw.cache_use(self.rank, self.nranks);
         Ok(OpBuffers {
             input: raw.input,
             output: raw.output,
@@ -853,8 +850,8 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
-            streaming: raw.streams_output(self.rank, self.nranks),
-            fits_cache: raw.fits_cache(self.rank, self.nranks),
+            streaming,
+            fits_cache,
         })
     }
 

@@ -371,27 +371,23 @@ impl Ends {
     /// through their slots ([`fifo::SendEnd::set_rotating`]); network FIFOs, which
     /// proxies fill and drain, never do.
     fn rotate_local(&mut self, routes: &routes::Routes, on: bool) {
-        let local = |p: usize| routes.is_local_peer(p);
-        for per_channel in &mut self.sends {
-            for (p, end) in per_channel
-                .iter_mut()
-                .flat_map(|c| c.iter_mut().enumerate())
-            {
-                if let Some(end) = end.as_mut().filter(|_| local(p)) {
-                    end.set_rotating(on);
+        /// Calls `set` on every end of `table` (`[protocol][channel][peer]`) whose
+        /// peer is on this host.
+        fn each_local<E>(
+            table: &mut [Vec<Vec<Option<E>>>],
+            routes: &routes::Routes,
+            set: impl Fn(&mut E),
+        ) {
+            for per_peer in table.iter_mut().flatten() {
+                for (p, end) in per_peer.iter_mut().enumerate() {
+                    if let Some(end) = end.as_mut().filter(|_| routes.is_local_peer(p)) {
+                        set(end);
+                    }
                 }
             }
         }
-        for per_channel in &mut self.recvs {
-            for (p, end) in per_channel
-                .iter_mut()
-                .flat_map(|c| c.iter_mut().enumerate())
-            {
-                if let Some(end) = end.as_mut().filter(|_| local(p)) {
-                    end.set_rotating(on);
-                }
-            }
-        }
+        each_local(&mut self.sends, routes, |e| e.set_rotating(on));
+        each_local(&mut self.recvs, routes, |e| e.set_rotating(on));
     }
 
     /// None yet, for `channels` ring channels (and the point-to-point one) and `nranks`.
@@ -1073,7 +1069,21 @@ impl Drop for Connections {
 
 #[cfg(test)]
 mod tests {
-    use super::{CpuShare, oversubscribed};
+    use super::{CpuShare, SlotStores, oversubscribed};
+
+    #[test]
+    fn slot_stores_parse_their_three_names_and_name_a_wrong_one() {
+        for (text, want) in [
+            ("", SlotStores::Auto),
+            (" Auto ", SlotStores::Auto),
+            ("plain", SlotStores::Plain),
+            ("STREAMING", SlotStores::Streaming),
+        ] {
+            assert_eq!(SlotStores::parse(text), Ok(want), "{text:?}");
+        }
+        let err = SlotStores::parse("nt").unwrap_err();
+        assert!(err.contains("\"nt\"") && err.contains("streaming"), "{err}");
+    }
 
     /// What a rank says at establishment, through its encoding: its machine and CPUs.
     fn facts(machine: &str, cpus: &[u32]) -> CpuShare {
