@@ -63,6 +63,10 @@ use crate::error::{Error, Result};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"FCCLFIFO");
 const GEOMETRY: usize = 8;
+/// The receiver's verdict on the sender's cache (1: far; see `HandoffClock`), for the
+/// sender to read. In the first line, beside words written once at formatting, so the
+/// sender's look hits its own cache until the verdict changes.
+const SENDER_FAR: usize = 16;
 const HEAD: usize = 64;
 const TAIL: usize = 128;
 const SIZES: usize = 192;
@@ -194,6 +198,10 @@ impl Shared {
         self.u32_at(HEAD)
     }
 
+    fn sender_far(&self) -> &AtomicU32 {
+        self.u32_at(SENDER_FAR)
+    }
+
     fn tail(&self) -> &AtomicU32 {
         self.u32_at(TAIL)
     }
@@ -299,7 +307,8 @@ impl HandoffClock {
     /// here (2.6 GHz): 0–130 cycles near, 340–470 far.
     const FAR_CYCLES: u64 = 300;
 
-    fn record(&mut self, cycles: u64) {
+    /// Counts one hand-off; returns the new verdict when a full window changes it.
+    fn record(&mut self, cycles: u64) -> Option<bool> {
         self.timed += 1;
         self.slow += u32::from(cycles > Self::FAR_CYCLES);
         if self.timed == Self::WINDOW {
@@ -314,10 +323,13 @@ impl HandoffClock {
                     Self::FAR_CYCLES
                 );
             }
+            let changed = far != self.far;
             self.far = far;
             self.timed = 0;
             self.slow = 0;
+            return changed.then_some(far);
         }
+        None
     }
 }
 
@@ -413,6 +425,13 @@ impl SendEnd {
     /// Slots this end has published so far (its `head`).
     pub fn published(&self) -> u32 {
         self.head
+    }
+
+    /// Whether the receiver finds this end's slots coming from a far cache (see
+    /// `HandoffClock`): most of the last 16 hand-offs through `head` took more than 0.1
+    /// µs to reach it. Simple FIFOs; the receiver publishes its verdict in the FIFO.
+    pub fn receiver_finds_far(&self) -> bool {
+        self.shared.sender_far().load(Ordering::Relaxed) != 0
     }
 
     /// Slots the receiver has consumed so far (its `tail`).
@@ -565,12 +584,6 @@ impl RecvEnd {
         (self.shared.seg.as_ptr(), self.shared.seg.len())
     }
 
-    /// Whether the sender's recent slots came from a far cache (see `HandoffClock`):
-    /// most of the last 16 hand-offs through `head` took more than 0.1 µs.
-    pub fn sender_is_far(&self) -> bool {
-        self.handoffs.far
-    }
-
     /// The oldest published slot and its byte count, or `None` if the FIFO is empty. The
     /// slot stays readable until [`RecvEnd::release`].
     pub fn try_peek(&mut self) -> Option<(*const u8, usize)> {
@@ -584,7 +597,7 @@ impl RecvEnd {
             }
             // The line changed hands since the last look: the load fetched it from the
             // sender's cache.
-            self.handoffs.record(cycles);
+            self.judge_handoff(cycles);
             self.head_seen = head;
         }
         let slot = self.tail as usize % self.shared.geometry.slots;
@@ -646,6 +659,16 @@ impl RecvEnd {
         }
         staging.holds[slot] = Some((counter, len));
         Some((dst as *const u8, len))
+    }
+
+    /// Counts a hand-off that took `cycles` and publishes a changed verdict for the
+    /// sender, which is the one to act on it.
+    fn judge_handoff(&mut self, cycles: u64) {
+        if let Some(far) = self.handoffs.record(cycles) {
+            self.shared
+                .sender_far()
+                .store(u32::from(far), Ordering::Relaxed);
+        }
     }
 
     /// Hands the slot from [`RecvEnd::try_peek`] back to the sender.
@@ -839,28 +862,34 @@ mod tests {
     #[test]
     fn a_sender_is_far_when_most_hand_offs_of_a_window_are_slow() {
         let slow = HandoffClock::FAR_CYCLES + 1;
-        let mut clock = HandoffClock::default();
+        let g = Geometry {
+            slots: 4,
+            slot_bytes: 64,
+            protocol: Protocol::Simple,
+        };
+        let (tx, mut rx) = pair(g, "verdict");
         // Half slow is not a majority.
         for i in 0..HandoffClock::WINDOW {
-            clock.record(if i % 2 == 0 { slow } else { 0 });
+            rx.judge_handoff(if i % 2 == 0 { slow } else { 0 });
         }
-        assert!(!clock.far);
-        // One more slow than fast is; the verdict holds until the window is full.
+        assert!(!rx.handoffs.far && !tx.receiver_finds_far());
+        // One more slow than fast is; the verdict holds until the window is full, and
+        // then reaches the sender through the FIFO.
         for i in 0..HandoffClock::WINDOW {
-            clock.record(if i <= HandoffClock::WINDOW / 2 {
+            rx.judge_handoff(if i <= HandoffClock::WINDOW / 2 {
                 slow
             } else {
                 0
             });
-            assert!(!clock.far || i == HandoffClock::WINDOW - 1, "{i}");
+            let full = i == HandoffClock::WINDOW - 1;
+            assert_eq!(tx.receiver_finds_far(), full, "{i}");
         }
-        assert!(clock.far);
         // An interrupt (one huge look) does not keep a near sender far.
-        clock.record(u64::MAX);
+        rx.judge_handoff(u64::MAX);
         for _ in 1..HandoffClock::WINDOW {
-            clock.record(HandoffClock::FAR_CYCLES);
+            rx.judge_handoff(HandoffClock::FAR_CYCLES);
         }
-        assert!(!clock.far);
+        assert!(!rx.handoffs.far && !tx.receiver_finds_far());
     }
 
     #[test]

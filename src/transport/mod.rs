@@ -638,10 +638,9 @@ impl Connections {
 
     /// Whether a call's slots towards `peer` should be written with non-temporal
     /// stores: it is on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`)
-    /// the call's buffers `fit_cache` and the Simple FIFOs from `peer` find its lines in
-    /// a far cache ([`fifo::RecvEnd::sender_is_far`]). With `auto`, peers this rank
-    /// never receives from on Simple FIFOs (the next rank of a ring of three or more)
-    /// are never found far.
+    /// the call's buffers `fit_cache` and `peer` finds this rank's Simple slots coming
+    /// from a far cache ([`fifo::SendEnd::receiver_finds_far`]: each receiver judges its
+    /// own sender, so the next rank of a ring judges this one).
     pub fn streams_slots_to(&self, peer: usize, fit_cache: bool) -> bool {
         let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
         match self.slot_stores {
@@ -652,12 +651,12 @@ impl Connections {
             SlotStores::Auto if !fit_cache => false,
             SlotStores::Auto => {
                 let simple = Protocol::Simple.index();
-                self.recvs[simple].iter().enumerate().any(|(ci, per_peer)| {
+                self.sends[simple].iter().enumerate().any(|(ci, per_peer)| {
                     on_host(ci)
                         && per_peer
                             .get(peer)
                             .and_then(Option::as_ref)
-                            .is_some_and(RecvEnd::sender_is_far)
+                            .is_some_and(SendEnd::receiver_finds_far)
                 })
             }
         }
