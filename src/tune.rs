@@ -7,7 +7,10 @@
 //!
 //! - **ring**: 2(n−1) steps of `S/n` bytes each, paced by the slowest link of the ring
 //!   (the network when `h > 1`), plus the pipeline's fill (a block moves a slice of at
-//!   most 128 KiB at a time): `2(n−1)·α + 2(n−1)/n · S/β + (2n−3)·min(S/n, 128 KiB)/β`;
+//!   most 128 KiB at a time): `2(n−1)·α + 2(n−1)/n · S/β + f·(2n−3)·min(S/n, 128 KiB)/β`,
+//!   where `f` is 1 when every rank has a CPU and `cpus/ranks` when ranks outnumber the
+//!   CPUs of their machine: then the CPUs, not the links, are what is short, and other
+//!   ranks run while a pipeline fills ([`Crowding`]);
 //! - **one-shot**: each rank sends its whole buffer to each of the n−1 others in one
 //!   hand-off, and folds the n−1 it receives straight from the FIFOs: it reduces
 //!   (n−1)·S bytes where a ring rank reduces (n−1)/n·S, `α + (n−1)·S/β +
@@ -18,8 +21,9 @@
 //!   (n−1)/n·S/β_local`;
 //! - **tree** (double binary tree over hosts, chain inside): the data goes up and comes
 //!   back down, `d = ⌈log₂ h⌉` network levels and `k−1` chain links each way, pipelined
-//!   in chunks so the bandwidth term is paid about twice over the network:
-//!   `2(d·α_net + (k−1)·α_local) + 2·S/β_net`.
+//!   in chunks so the bandwidth term is paid about twice over the network, plus the
+//!   fill down and up (slice by slice, `f` as for the ring):
+//!   `2(d·α_net + (k−1)·α_local) + 2·S/β_net + f·2(d + k−1)·min(S, 128 KiB)/β`.
 //!
 //! The ring wins on bandwidth, the tree on latency once there are several hosts; the
 //! crossover is where the two lines meet ([`CostModel::crossover`]).
@@ -107,15 +111,44 @@ pub struct Shape {
     pub hosts: usize,
     /// Most ranks on one host.
     pub ranks_per_host: usize,
+    /// Ranks against CPUs on the most crowded machine.
+    pub crowding: Crowding,
 }
 
 impl Shape {
-    /// `ranks` spread as evenly as they go over `hosts` (at least one).
+    /// `ranks` spread as evenly as they go over `hosts` (at least one), each rank with
+    /// a CPU of its own.
     pub fn even(ranks: usize, hosts: usize) -> Self {
         Shape {
             ranks,
             hosts,
             ranks_per_host: ranks.div_ceil(hosts.max(1)),
+            crowding: Crowding::NONE,
+        }
+    }
+}
+
+/// How many ranks share how many CPUs on the machine where ranks are most crowded
+/// (every rank computes it from the same gathered facts, so all agree).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Crowding {
+    /// Ranks on that machine.
+    pub ranks: usize,
+    /// CPUs those ranks may run on between them.
+    pub cpus: usize,
+}
+
+impl Crowding {
+    /// Every rank has a CPU of its own.
+    pub const NONE: Crowding = Crowding { ranks: 1, cpus: 1 };
+
+    /// The share of a machine's ranks that run at any moment: 1 when each has a CPU,
+    /// `cpus / ranks` when they outnumber the CPUs.
+    pub fn running_share(&self) -> f64 {
+        if self.ranks <= self.cpus || self.ranks == 0 {
+            1.0
+        } else {
+            self.cpus.max(1) as f64 / self.ranks as f64
         }
     }
 }
@@ -263,6 +296,10 @@ impl CostModel {
         let s = bytes as f64;
         let pace = self.pace(shape, choice.protocol);
         let n1 = n - 1.0;
+        // While a pipeline fills, its later links wait. With a CPU per rank that is
+        // time lost; when ranks outnumber CPUs, the CPUs are what is short, and other
+        // ranks run meanwhile: only the running share of the fill is paid.
+        let fill = shape.crowding.running_share();
         match choice.algorithm {
             Algorithm::OneShot => {
                 pace.alpha + n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta
@@ -273,12 +310,12 @@ impl CostModel {
             Algorithm::Ring => {
                 2.0 * n1 * pace.alpha
                     + 2.0 * n1 / n * s / pace.beta
-                    + (2.0 * n - 3.0) * (s / n).min(RING_SLICE) / pace.beta
+                    + fill * (2.0 * n - 3.0) * (s / n).min(RING_SLICE) / pace.beta
             }
             Algorithm::Tree => {
                 2.0 * self.tree_pass(shape, choice.protocol)
                     + 2.0 * s / pace.beta
-                    + 2.0 * self.tree_depth(shape) * s.min(RING_SLICE) / pace.beta
+                    + fill * 2.0 * self.tree_depth(shape) * s.min(RING_SLICE) / pace.beta
             }
         }
     }
@@ -449,6 +486,38 @@ mod tests {
 
     fn shape(ranks: usize, hosts: usize) -> Shape {
         Shape::even(ranks, hosts)
+    }
+
+    /// Where ranks outnumber the CPUs, the ring takes over from the two-shot at a
+    /// smaller size: other ranks run while its pipeline fills. Measured on 2 cores
+    /// (2026-11-25, busbw GB/s, three runs each in the near placement): 4 ranks at 512
+    /// KiB, two-shot 4.1–6.9, ring 6.9–8.7; 1 MiB 3.0–5.6 against 6.6–9.0; 8 ranks at
+    /// 512 KiB 1.5 against 3.0–3.3 (256 KiB even, 128 KiB the two-shot's).
+    #[test]
+    fn crowded_cpus_move_the_ring_crossover_down() {
+        let m = CostModel::default();
+        let crowded = |ranks, cpus| Shape {
+            crowding: Crowding { ranks, cpus },
+            ..shape(ranks, 1)
+        };
+        let is_two_shot = |c: Choice| c.algorithm == Algorithm::TwoShot;
+        let direct = [Algorithm::Ring, Algorithm::TwoShot];
+        for ranks in [4, 8] {
+            let free = m
+                .crossover_among(shape(ranks, 1), &direct, is_two_shot)
+                .unwrap();
+            let busy = m
+                .crossover_among(crowded(ranks, 2), &direct, is_two_shot)
+                .unwrap();
+            assert!(free > 512 << 10, "{ranks} ranks with a CPU each: {free}");
+            assert!(
+                (128 << 10..=512 << 10).contains(&busy),
+                "{ranks} ranks on 2 CPUs: {busy}"
+            );
+        }
+        // Ranks with a CPU each are not crowded, however many.
+        assert_eq!(Crowding { ranks: 8, cpus: 8 }.running_share(), 1.0);
+        assert_eq!(Crowding { ranks: 8, cpus: 2 }.running_share(), 0.25);
     }
 
     fn is_tree(c: Choice) -> bool {

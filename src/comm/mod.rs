@@ -382,6 +382,7 @@ impl Communicator {
                 .map(|h| hosts.iter().filter(|&&x| x == h).count())
                 .max()
                 .unwrap_or(1),
+            crowding: conns.crowding(),
         };
         Ok(Communicator {
             rank,

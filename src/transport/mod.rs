@@ -45,6 +45,7 @@ use tcp::{LinkState, TcpLink};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::plan::P2P_CHANNEL;
+use crate::tune::Crowding;
 
 /// How the engine writes the slots of FIFOs to peers on its host
 /// (`FERROCCL_SLOT_STORES`; see [`fifo`], "far" peers).
@@ -333,6 +334,8 @@ pub struct Connections {
     ll: Option<Geometry>,
     /// More ranks on this machine than CPUs they may use (see [`oversubscribed`]).
     oversubscribed: bool,
+    /// The job's most crowded machine (see [`crowding`]), for the cost model.
+    crowding: Crowding,
     /// How slots towards peers on this host are written.
     slot_stores: SlotStores,
     /// Link speed (Gb/s) of the slowest RDMA device in the job, when every pair of
@@ -491,7 +494,7 @@ impl Connections {
         let (peer_bells, liveness) = shm.open_peers(&routes, boot.peers(), &mut ends)?;
         // Every rank says which machine it runs on and which of its CPUs it may use
         // (this also waits for every rank to have opened its FIFOs).
-        let oversubscribed = CpuShare::oversubscribed_here(boot)?;
+        let (oversubscribed, crowding) = CpuShare::gather(boot)?;
         // Both ends of a FIFO between ranks of this host see the same answer, and
         // nothing has been sent yet.
         ends.rotate_local(&routes, !oversubscribed);
@@ -539,6 +542,7 @@ impl Connections {
             geometry: config.geometry,
             ll: config.ll,
             oversubscribed,
+            crowding,
             slot_stores: config.slot_stores,
             rdma_link_gbps: routes.rdma_link_gbps,
             staging: if peer_memory.is_ok() {
@@ -601,6 +605,11 @@ impl Connections {
     /// core instead of spinning, and TCP links are read by their proxies only).
     pub fn oversubscribed(&self) -> bool {
         self.oversubscribed
+    }
+
+    /// Ranks against CPUs on the job's most crowded machine (the same on every rank).
+    pub fn crowding(&self) -> Crowding {
+        self.crowding
     }
 
     fn channel_index(&self, channel: usize) -> Option<usize> {
@@ -991,10 +1000,10 @@ struct CpuShare {
 }
 
 impl CpuShare {
-    /// Whether the ranks on this rank's machine outnumber the CPUs they may use
-    /// (collective: every rank says which machine it runs on and which of its CPUs it
-    /// may use; see [`oversubscribed`]).
-    fn oversubscribed_here(boot: &Bootstrap) -> Result<bool> {
+    /// Whether the ranks on this rank's machine outnumber the CPUs they may use, and
+    /// the job's most crowded machine (collective: every rank says which machine it
+    /// runs on and which of its CPUs it may use; see [`oversubscribed`], [`crowding`]).
+    fn gather(boot: &Bootstrap) -> Result<(bool, Crowding)> {
         let mine = CpuShare::here();
         let all = boot
             .all_gather(&mine.encode())?
@@ -1002,7 +1011,7 @@ impl CpuShare {
             .enumerate()
             .map(|(r, bytes)| CpuShare::decode(r, bytes))
             .collect::<Result<Vec<_>>>()?;
-        Ok(oversubscribed(&all, &mine))
+        Ok((oversubscribed(&all, &mine), crowding(&all)))
     }
 
     /// Most CPUs accepted from a peer.
@@ -1052,10 +1061,28 @@ impl CpuShare {
 /// ranks confined to one CPU do, and so do ranks of simulated hosts (network
 /// namespaces) sharing one machine.
 fn oversubscribed(all: &[CpuShare], mine: &CpuShare) -> bool {
-    let here: Vec<&CpuShare> = all.iter().filter(|s| s.machine == mine.machine).collect();
+    let here = machine_crowding(all, &mine.machine);
+    here.ranks > here.cpus.max(1)
+}
+
+/// The ranks of `all` on `machine`, and the CPUs they may use between them.
+fn machine_crowding(all: &[CpuShare], machine: &str) -> Crowding {
+    let here: Vec<&CpuShare> = all.iter().filter(|s| s.machine == machine).collect();
     let cpus: std::collections::BTreeSet<u32> =
         here.iter().flat_map(|s| s.cpus.iter().copied()).collect();
-    here.len() > cpus.len().max(1)
+    Crowding {
+        ranks: here.len(),
+        cpus: cpus.len(),
+    }
+}
+
+/// The machine of `all` whose ranks have the smallest share of a CPU each (the same on
+/// every rank: it depends on the gathered facts alone).
+fn crowding(all: &[CpuShare]) -> Crowding {
+    all.iter()
+        .map(|s| machine_crowding(all, &s.machine))
+        .min_by(|a, b| a.running_share().total_cmp(&b.running_share()))
+        .unwrap_or(Crowding::NONE)
 }
 
 impl Drop for Connections {
@@ -1068,7 +1095,7 @@ impl Drop for Connections {
 
 #[cfg(test)]
 mod tests {
-    use super::{CpuShare, SlotStores, oversubscribed};
+    use super::{CpuShare, Crowding, SlotStores, crowding, oversubscribed};
 
     #[test]
     fn slot_stores_parse_their_three_names_and_name_a_wrong_one() {
@@ -1113,5 +1140,20 @@ mod tests {
         // Unknown CPUs count as one.
         let unknown = all(&[("a", &[]), ("a", &[])]);
         assert!(oversubscribed(&unknown, &unknown[0]));
+        assert_eq!(crowding(&unknown).running_share(), 0.5);
+
+        // The cost model's view, the same from every rank: the most crowded machine.
+        assert_eq!(crowding(&bound).running_share(), 1.0);
+        assert_eq!(crowding(&three), Crowding { ranks: 3, cpus: 2 });
+        let uneven = all(&[
+            ("a", &[0, 1]),
+            ("a", &[0, 1]),
+            ("b", &[0, 1]),
+            ("b", &[0, 1]),
+            ("b", &[0, 1]),
+            ("b", &[0, 1]),
+        ]);
+        assert_eq!(crowding(&uneven), Crowding { ranks: 4, cpus: 2 });
+        assert_eq!(crowding(&uneven).running_share(), 0.5);
     }
 }

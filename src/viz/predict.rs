@@ -24,7 +24,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::error::{Error, Result};
 use crate::plan::{self, Algorithm, Collective, PlanOptions};
 use crate::transport::Protocol;
-use crate::tune::{CostModel, LinkCost, Shape};
+use crate::tune::{CostModel, Crowding, LinkCost, Shape};
 
 /// A machine to predict for.
 #[derive(Clone, Debug, PartialEq)]
@@ -256,6 +256,8 @@ pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
         ranks: topo.ranks(),
         hosts: topo.hosts,
         ranks_per_host: topo.ranks_per_host,
+        // A topology file says nothing of CPUs.
+        crowding: Crowding::NONE,
     };
     let mut rows = Vec::new();
     let mut bytes = 8usize;
