@@ -12,7 +12,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ferroccl::reduce::{Kernel, VectorIsa, cpu_vector_isa, limit_vector_isa};
+use ferroccl::reduce::{Kernel, VectorIsa, copy, cpu_vector_isa, limit_vector_isa};
 use ferroccl::{Element, F8E4M3, ReduceOp};
 use half::{bf16, f16};
 
@@ -84,8 +84,42 @@ fn bench_copy(c: &mut Criterion) {
     group.finish();
 }
 
+/// A slice copied from a page-aligned slot into a buffer at `distance` bytes past a page
+/// (`malloc`'s large blocks start 16 bytes in): `memcpy` against [`copy::copy`], which
+/// avoids `rep movsb` at distances of 1–63 bytes (`ferroccl::reduce::copy`).
+fn bench_slot_copy(c: &mut Criterion) {
+    const SLICE: usize = 16 << 10;
+    let mut group = c.benchmark_group("slot_copy");
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(300));
+    group.measurement_time(Duration::from_secs(1));
+    group.throughput(Throughput::Bytes(SLICE as u64));
+    let mut slot = vec![0u8; SLICE + 4096];
+    let mut out = vec![0u8; SLICE + 8192];
+    let s = slot
+        .as_mut_ptr()
+        .wrapping_add(slot.as_ptr().align_offset(4096));
+    let page = out
+        .as_mut_ptr()
+        .wrapping_add(out.as_ptr().align_offset(4096));
+    for distance in [0usize, 16, 64] {
+        let d = page.wrapping_add(distance);
+        let label = format!("16KiB_distance_{distance}");
+        group.bench_function(BenchmarkId::new("memcpy", &label), |bench| {
+            // SAFETY: `s` and `d` hold SLICE bytes inside their own buffers.
+            bench.iter(|| unsafe { std::ptr::copy_nonoverlapping(s, black_box(d), SLICE) })
+        });
+        group.bench_function(BenchmarkId::new("copy", &label), |bench| {
+            // SAFETY: as above.
+            bench.iter(|| unsafe { copy::copy(black_box(d), s, SLICE) })
+        });
+    }
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     bench_copy(c);
+    bench_slot_copy(c);
     for isa in VectorIsa::ALL.into_iter().rev() {
         if isa > cpu_vector_isa() {
             continue;

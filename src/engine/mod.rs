@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use crate::error::{ABORTED_BY_USER, CallInfo, Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
+use crate::reduce::copy::{copy, copy_maybe_overlapping};
 use crate::reduce::stream::stream_copy;
 use crate::transport::bell::Closed;
 use crate::transport::lazy::FifoNeed;
@@ -655,8 +656,8 @@ unsafe fn local_step(ops: &[OpBuffers], step: &Step) -> usize {
             op.kernel.post(d, n);
         }
     } else if !std::ptr::eq(s, d) {
-        // SAFETY: in bounds; `copy` tolerates overlap.
-        unsafe { std::ptr::copy(s, d, n * elem) };
+        // SAFETY: in bounds; the copy tolerates overlap.
+        unsafe { copy_maybe_overlapping(d, s, n * elem) };
     }
     elem
 }
@@ -707,7 +708,7 @@ unsafe fn move_slice(
             if stream(r) {
                 stream_copy(d, s, bytes);
             } else {
-                std::ptr::copy_nonoverlapping(s, d, bytes);
+                copy(d, s, bytes);
             }
         };
         // Into the outgoing slot.
@@ -715,7 +716,7 @@ unsafe fn move_slice(
             if stream_slot {
                 stream_copy(o, s, bytes);
             } else {
-                std::ptr::copy_nonoverlapping(s, o, bytes);
+                copy(o, s, bytes);
             }
         };
         match *step {

@@ -13,6 +13,7 @@
 use super::{LaneState, OpBuffers, SliceSlots, addr, move_slice, op_of};
 use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
+use crate::reduce::copy::copy_maybe_overlapping;
 use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE};
 use crate::transport::{Connections, PeerState};
 
@@ -221,7 +222,7 @@ unsafe fn local_part(step: &Step, ops: &[OpBuffers], op: &OpBuffers) {
             if op.reducing && src.buf == Buf::Input {
                 op.kernel.pre(d, s, src.len);
             } else if !std::ptr::eq(s, d) {
-                std::ptr::copy(s, d, src.len * op.kernel.dtype().size());
+                copy_maybe_overlapping(d, s, src.len * op.kernel.dtype().size());
             }
         }
     }

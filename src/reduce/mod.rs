@@ -39,6 +39,7 @@
 //!   may differ from NCCL's in the last bit; ours is the correctly rounded quotient of
 //!   the computed sum.
 
+pub mod copy;
 mod loops;
 mod num;
 pub mod stream;
@@ -281,7 +282,7 @@ impl Kernel {
             if !ptr::eq(dst, src) {
                 // SAFETY: both valid for count elements of the dtype and, being distinct,
                 // non-overlapping (caller's contract).
-                unsafe { ptr::copy_nonoverlapping(src, dst, count * self.dtype.size()) }
+                unsafe { copy::copy(dst, src, count * self.dtype.size()) }
             }
             return;
         }

@@ -12,7 +12,7 @@ thread_local! {
 }
 
 /// Runs `f` with the kernels limited to `isa`.
-fn with_isa<R>(isa: VectorIsa, f: impl FnOnce() -> R) -> R {
+pub(super) fn with_isa<R>(isa: VectorIsa, f: impl FnOnce() -> R) -> R {
     ISA_LIMIT.with(|l| l.set(isa));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     ISA_LIMIT.with(|l| l.set(VectorIsa::Avx512));
