@@ -25,6 +25,13 @@
 //!   fill down and up (slice by slice, `f` as for the ring):
 //!   `2(d·α_net + (k−1)·α_local) + 2·S/β_net + f·2(d + k−1)·min(S, 128 KiB)/β`.
 //!
+//! Where ranks outnumber the CPUs of their machine (`q` ranks per CPU), a hand-off waits
+//! for the turns of the ranks that share the CPU of the rank it waits on: each step of
+//! the ring or the tree costs `q·α`, and each round of a direct algorithm, which waits
+//! on every peer, `q²·α` (fitted on 2 cores: a two-shot round cost 3.5 µs more than a
+//! one-shot's on 3 ranks, 6 on 4 and 17–20 on 8, and a ring step 3 µs on 4 ranks and
+//! 6–8 on 8, against α = 1 µs; [`Crowding::queue`]).
+//!
 //! The ring wins on bandwidth, the tree on latency once there are several hosts; the
 //! crossover is where the two lines meet ([`CostModel::crossover`]).
 //!
@@ -145,10 +152,16 @@ impl Crowding {
     /// The share of a machine's ranks that run at any moment: 1 when each has a CPU,
     /// `cpus / ranks` when they outnumber the CPUs.
     pub fn running_share(&self) -> f64 {
+        1.0 / self.queue()
+    }
+
+    /// Ranks per CPU, at least 1: how many turns a CPU's run queue takes before a rank
+    /// that waits runs again.
+    pub fn queue(&self) -> f64 {
         if self.ranks <= self.cpus || self.ranks == 0 {
             1.0
         } else {
-            self.cpus.max(1) as f64 / self.ranks as f64
+            self.ranks as f64 / self.cpus.max(1) as f64
         }
     }
 }
@@ -300,20 +313,27 @@ impl CostModel {
         // time lost; when ranks outnumber CPUs, the CPUs are what is short, and other
         // ranks run meanwhile: only the running share of the fill is paid.
         let fill = shape.crowding.running_share();
+        // A hand-off to a rank that shares its CPU with others waits for their turns: a
+        // step of a chain (ring, tree) waits on one peer, `q` turns; a direct round waits
+        // on every peer, each of which waited on its own, `q²` ([`Crowding::queue`]).
+        let q = shape.crowding.queue();
+        let (step, round) = (q, q * q);
         match choice.algorithm {
             Algorithm::OneShot => {
-                pace.alpha + n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta
+                round * pace.alpha + n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta
             }
             Algorithm::TwoShot => {
-                2.0 * pace.alpha + 2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta
+                2.0 * round * pace.alpha
+                    + 2.0 * n1 / n * s / pace.beta
+                    + n1 / n * s / self.local.beta
             }
             Algorithm::Ring => {
-                2.0 * n1 * pace.alpha
+                2.0 * n1 * step * pace.alpha
                     + 2.0 * n1 / n * s / pace.beta
                     + fill * (2.0 * n - 3.0) * (s / n).min(RING_SLICE) / pace.beta
             }
             Algorithm::Tree => {
-                2.0 * self.tree_pass(shape, choice.protocol)
+                2.0 * step * self.tree_pass(shape, choice.protocol)
                     + 2.0 * s / pace.beta
                     + fill * 2.0 * self.tree_depth(shape) * s.min(RING_SLICE) / pace.beta
             }
@@ -518,6 +538,61 @@ mod tests {
         // Ranks with a CPU each are not crowded, however many.
         assert_eq!(Crowding { ranks: 8, cpus: 8 }.running_share(), 1.0);
         assert_eq!(Crowding { ranks: 8, cpus: 2 }.running_share(), 0.25);
+    }
+
+    /// Where ranks outnumber the CPUs, a direct round waits on every peer's turn, so the
+    /// one-shot keeps the small sizes longer and the two-shot the middle ones. Measured
+    /// on 2 cores (2026-11-26, µs per call, two runs each), one-shot against two-shot: 3
+    /// ranks 16 KiB 12.6–14.7 vs 13.3–14.1, 32 KiB 17.8–21.5 vs 15.8–18.2; 4 ranks 8 KiB
+    /// 10.9–15.6 vs 15.0–22.4, 16 KiB 18.2–22.9 vs 18.5–18.8; 8 ranks 8 KiB 35–44 vs
+    /// 46, 16 KiB 58–94 vs 47–51. Two-shot against ring: 8 ranks 128 KiB 128–131 vs
+    /// 178–250, 512 KiB 896–898 vs 421–607.
+    #[test]
+    fn crowded_cpus_keep_the_direct_algorithms_for_their_sizes() {
+        let m = CostModel::default();
+        let crowded = |ranks| Shape {
+            crowding: Crowding { ranks, cpus: 2 },
+            ..shape(ranks, 1)
+        };
+        let direct = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
+        let pick = |ranks, bytes| {
+            m.best(
+                Collective::AllReduce,
+                bytes,
+                crowded(ranks),
+                &direct,
+                &[Protocol::Simple],
+            )
+            .algorithm
+        };
+        for (ranks, one_shot_to, two_shot_to) in [
+            (3, 16 << 10, 256 << 10),
+            (4, 8 << 10, 256 << 10),
+            (8, 8 << 10, 256 << 10),
+        ] {
+            assert_eq!(
+                pick(ranks, one_shot_to),
+                Algorithm::OneShot,
+                "{ranks} ranks"
+            );
+            assert_eq!(
+                pick(ranks, 4 * one_shot_to),
+                Algorithm::TwoShot,
+                "{ranks} ranks"
+            );
+            assert_eq!(
+                pick(ranks, two_shot_to),
+                Algorithm::TwoShot,
+                "{ranks} ranks"
+            );
+            assert_eq!(
+                pick(ranks, 4 * two_shot_to),
+                Algorithm::Ring,
+                "{ranks} ranks"
+            );
+        }
+        assert_eq!(Crowding { ranks: 8, cpus: 2 }.queue(), 4.0);
+        assert_eq!(Crowding { ranks: 2, cpus: 2 }.queue(), 1.0);
     }
 
     fn is_tree(c: Choice) -> bool {
