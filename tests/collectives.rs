@@ -286,6 +286,57 @@ fn sixteen_mebi_elements_and_more() {
     assert!(wrong.is_empty(), "{wrong:?}");
 }
 
+/// `len` elements of `v` starting `distance` bytes past a page boundary.
+fn past_a_page(v: &mut [f32], distance: usize, len: usize) -> &mut [f32] {
+    let at = v.as_ptr().cast::<u8>().align_offset(4096) / 4 + distance / 4;
+    &mut v[at..at + len]
+}
+
+/// Outputs that start a few bytes past a page, where a slot's copy into them takes the
+/// vector loop instead of `rep movsb` (`ferroccl::reduce::copy`), and at distances
+/// where it does not: all-reduce, all-gather and broadcast on 3 ranks, out of place and
+/// against the serial result, with slices well above the copy's 2 KiB threshold.
+#[test]
+fn outputs_a_few_bytes_past_a_page() {
+    const N: usize = 3;
+    const COUNT: usize = 30_011;
+    let comms = Communicator::init_all_with(N, config(1)).unwrap();
+    let input = |r: usize| -> Vec<f32> {
+        (0..COUNT)
+            .map(|i| ((i * 7 + r * 13) % 101) as f32)
+            .collect()
+    };
+    let sum: Vec<f32> = (0..COUNT)
+        .map(|i| (0..N).map(|r| input(r)[i]).sum())
+        .collect();
+    let gathered: Vec<f32> = (0..N).flat_map(input).collect();
+    std::thread::scope(|s| {
+        for (rank, comm) in comms.iter().enumerate() {
+            let (input, sum, gathered) = (input(rank), &sum, &gathered);
+            s.spawn(move || {
+                for distance in [0, 8, 16, 40, 60, 64] {
+                    let mut out = vec![-1.0f32; N * COUNT + 2048];
+                    let o = past_a_page(&mut out, distance, COUNT);
+                    comm.all_reduce(&input, o, ReduceOp::Sum).unwrap();
+                    assert!(o == &sum[..], "all-reduce, distance {distance}");
+                    let o = past_a_page(&mut out, distance, COUNT);
+                    let root_data = if rank == 1 {
+                        input.clone()
+                    } else {
+                        vec![0.0; COUNT]
+                    };
+                    comm.broadcast(&root_data, o, 1).unwrap();
+                    let want: Vec<f32> = (0..COUNT).map(|i| ((i * 7 + 13) % 101) as f32).collect();
+                    assert!(o == &want[..], "broadcast, distance {distance}");
+                    let o = past_a_page(&mut out, distance, N * COUNT);
+                    comm.all_gather(&input, o).unwrap();
+                    assert!(o == &gathered[..], "all-gather, distance {distance}");
+                }
+            });
+        }
+    });
+}
+
 #[test]
 fn two_communicators_used_concurrently_from_one_process() {
     // Two independent groups of 3 ranks, each rank thread driving one communicator of
