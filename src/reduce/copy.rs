@@ -94,60 +94,54 @@ mod x86 {
         unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), bytes - done) };
     }
 
-    /// The whole 128-byte blocks of the copy in 256-bit vectors; returns the bytes done.
-    ///
-    /// # Safety
-    /// The CPU supports AVX2; otherwise as [`super::copy`].
-    #[target_feature(enable = "avx2")]
-    unsafe fn copy_avx2(dst: *mut u8, src: *const u8, bytes: usize) -> usize {
-        let mut i = 0;
-        while i + 128 <= bytes {
-            // SAFETY: `i + 128 <= bytes`, inside both regions; unaligned accesses.
-            unsafe {
-                let s = src.add(i).cast::<__m256i>();
-                let d = dst.add(i).cast::<__m256i>();
-                let (a, b, c, e) = (
-                    _mm256_loadu_si256(s),
-                    _mm256_loadu_si256(s.add(1)),
-                    _mm256_loadu_si256(s.add(2)),
-                    _mm256_loadu_si256(s.add(3)),
-                );
-                _mm256_storeu_si256(d, a);
-                _mm256_storeu_si256(d.add(1), b);
-                _mm256_storeu_si256(d.add(2), c);
-                _mm256_storeu_si256(d.add(3), e);
+    /// A loop that copies the whole blocks of four vectors of `$vector` (loaded with
+    /// `$load`, stored with `$store`) and returns the bytes it did, compiled with
+    /// `$features` enabled.
+    macro_rules! block_copy {
+        ($name:ident, $features:literal, $what:literal, $vector:ty, $load:ident, $store:ident) => {
+            #[doc = concat!("The whole blocks of four ", $what, " vectors of the copy; returns the bytes done.")]
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU supports ", $features, "; otherwise as [`super::copy`].")]
+            #[target_feature(enable = $features)]
+            unsafe fn $name(dst: *mut u8, src: *const u8, bytes: usize) -> usize {
+                const BLOCK: usize = 4 * size_of::<$vector>();
+                let mut i = 0;
+                while i + BLOCK <= bytes {
+                    // SAFETY: `i + BLOCK <= bytes`, inside both regions; unaligned
+                    // accesses.
+                    unsafe {
+                        let s = src.add(i).cast::<$vector>();
+                        let d = dst.add(i).cast::<$vector>();
+                        let (a, b, c, e) = ($load(s), $load(s.add(1)), $load(s.add(2)), $load(s.add(3)));
+                        $store(d, a);
+                        $store(d.add(1), b);
+                        $store(d.add(2), c);
+                        $store(d.add(3), e);
+                    }
+                    i += BLOCK;
+                }
+                i
             }
-            i += 128;
-        }
-        i
+        };
     }
 
-    /// The whole 64-byte blocks of the copy in 128-bit vectors; returns the bytes done.
-    ///
-    /// # Safety
-    /// As [`super::copy`].
-    unsafe fn copy_sse2(dst: *mut u8, src: *const u8, bytes: usize) -> usize {
-        let mut i = 0;
-        while i + 64 <= bytes {
-            // SAFETY: `i + 64 <= bytes`, inside both regions; unaligned accesses.
-            unsafe {
-                let s = src.add(i).cast::<__m128i>();
-                let d = dst.add(i).cast::<__m128i>();
-                let (a, b, c, e) = (
-                    _mm_loadu_si128(s),
-                    _mm_loadu_si128(s.add(1)),
-                    _mm_loadu_si128(s.add(2)),
-                    _mm_loadu_si128(s.add(3)),
-                );
-                _mm_storeu_si128(d, a);
-                _mm_storeu_si128(d.add(1), b);
-                _mm_storeu_si128(d.add(2), c);
-                _mm_storeu_si128(d.add(3), e);
-            }
-            i += 64;
-        }
-        i
-    }
+    block_copy!(
+        copy_avx2,
+        "avx2",
+        "256-bit",
+        __m256i,
+        _mm256_loadu_si256,
+        _mm256_storeu_si256
+    );
+    block_copy!(
+        copy_sse2,
+        "sse2",
+        "128-bit",
+        __m128i,
+        _mm_loadu_si128,
+        _mm_storeu_si128
+    );
 }
 
 #[cfg(test)]
