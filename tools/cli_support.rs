@@ -15,11 +15,17 @@ pub fn print_completions<C: CommandFactory>(shell: Shell) -> ExitCode {
     let name = command.get_name().to_owned();
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut command, name, &mut script);
-    match std::io::stdout().lock().write_all(&script) {
+    write_stdout(&script, "the completion script")
+}
+
+/// Writes `bytes` (`what`, for the error message) to standard output: status 0, or 1
+/// quietly when the reader stopped early (`| head`), or 1 with the error printed.
+pub fn write_stdout(bytes: &[u8], what: &str) -> ExitCode {
+    match std::io::stdout().lock().write_all(bytes) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.kind() == ErrorKind::BrokenPipe => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("writing the completion script: {e}");
+            eprintln!("writing {what}: {e}");
             ExitCode::FAILURE
         }
     }

@@ -62,7 +62,7 @@ fn main() -> ExitCode {
         return cli_support::print_completions::<Cli>(shell);
     }
     match run(&cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(text) => cli_support::write_stdout(text.as_bytes(), "the results"),
         Err(e) => {
             eprintln!("ferroccl-limits: {e}");
             ExitCode::FAILURE
@@ -70,7 +70,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: &Cli) -> ferroccl::Result<()> {
+fn run(cli: &Cli) -> ferroccl::Result<String> {
     if cli.ranks.iter().any(|&n| n < 1) {
         return Err(ferroccl::Error::invalid(
             "--ranks takes rank counts of 1 or more",
@@ -106,15 +106,14 @@ fn run(cli: &Cli) -> ferroccl::Result<()> {
                 "all_reduce_bound_busbw_gbs": bus,
             })).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&doc).expect("JSON"));
-        return Ok(());
+        return Ok(serde_json::to_string_pretty(&doc).expect("JSON") + "\n");
     }
-    println!("cache line, one way between CPUs of ranks 0 and 1: {floor_us:.3} us");
+    let mut text = format!("cache line, one way between CPUs of ranks 0 and 1: {floor_us:.3} us\n");
     for (n, copiers, rw, bus) in rows {
-        println!(
+        text += &format!(
             "{n} ranks: {copiers} concurrent copies reach {rw:.1} GB/s read+write; \
-             all-reduce bound {bus:.2} GB/s busbw"
+             all-reduce bound {bus:.2} GB/s busbw\n"
         );
     }
-    Ok(())
+    Ok(text)
 }
