@@ -301,35 +301,36 @@ fn outputs_a_few_bytes_past_a_page() {
     const N: usize = 3;
     const COUNT: usize = 30_011;
     let comms = Communicator::init_all_with(N, config(1)).unwrap();
-    let input = |r: usize| -> Vec<f32> {
-        (0..COUNT)
-            .map(|i| ((i * 7 + r * 13) % 101) as f32)
-            .collect()
-    };
-    let sum: Vec<f32> = (0..COUNT)
-        .map(|i| (0..N).map(|r| input(r)[i]).sum())
+    let inputs: Vec<Vec<f32>> = (0..N)
+        .map(|r| {
+            (0..COUNT)
+                .map(|i| ((i * 7 + r * 13) % 101) as f32)
+                .collect()
+        })
         .collect();
-    let gathered: Vec<f32> = (0..N).flat_map(input).collect();
+    let sum: Vec<f32> = (0..COUNT)
+        .map(|i| inputs.iter().map(|input| input[i]).sum())
+        .collect();
+    let gathered: Vec<f32> = inputs.concat();
+    // Rank 1 broadcasts its input; the others pass zeros.
+    let root = 1;
     std::thread::scope(|s| {
         for (rank, comm) in comms.iter().enumerate() {
-            let (input, sum, gathered) = (input(rank), &sum, &gathered);
+            let (inputs, sum, gathered) = (&inputs, &sum, &gathered);
             s.spawn(move || {
+                let input = &inputs[rank];
+                let zeros = vec![0.0; COUNT];
+                let root_data = if rank == root { input } else { &zeros };
                 for distance in [0, 8, 16, 40, 60, 64] {
                     let mut out = vec![-1.0f32; N * COUNT + 2048];
                     let o = past_a_page(&mut out, distance, COUNT);
-                    comm.all_reduce(&input, o, ReduceOp::Sum).unwrap();
+                    comm.all_reduce(input, o, ReduceOp::Sum).unwrap();
                     assert!(o == &sum[..], "all-reduce, distance {distance}");
                     let o = past_a_page(&mut out, distance, COUNT);
-                    let root_data = if rank == 1 {
-                        input.clone()
-                    } else {
-                        vec![0.0; COUNT]
-                    };
-                    comm.broadcast(&root_data, o, 1).unwrap();
-                    let want: Vec<f32> = (0..COUNT).map(|i| ((i * 7 + 13) % 101) as f32).collect();
-                    assert!(o == &want[..], "broadcast, distance {distance}");
+                    comm.broadcast(root_data, o, root).unwrap();
+                    assert!(o == &inputs[root][..], "broadcast, distance {distance}");
                     let o = past_a_page(&mut out, distance, N * COUNT);
-                    comm.all_gather(&input, o).unwrap();
+                    comm.all_gather(input, o).unwrap();
                     assert!(o == &gathered[..], "all-gather, distance {distance}");
                 }
             });

@@ -30,7 +30,7 @@ const PAGE: usize = 4096;
 
 /// Whether `memcpy` of `bytes` from `src` to `dst` would take the slow `rep movsb` case.
 #[inline]
-pub fn aliased(dst: *const u8, src: *const u8, bytes: usize) -> bool {
+fn aliased(dst: *const u8, src: *const u8, bytes: usize) -> bool {
     let distance = (dst as usize).wrapping_sub(src as usize) % PAGE;
     bytes >= VECTOR_FROM && (1..ALIASED_BELOW).contains(&distance)
 }
