@@ -2,7 +2,7 @@
 //! `--help`, misspelt flags named with a suggestion, bad numbers named with their flag,
 //! `--completions SHELL`, and typical invocations working as before.
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 // The simulated CUDA driver's helpers.
 #[allow(unused_imports)]
@@ -13,6 +13,7 @@ const RENDEZVOUS: &str = env!("CARGO_BIN_EXE_ferroccl-rendezvous");
 const TUNE: &str = env!("CARGO_BIN_EXE_ferroccl-tune");
 const TOPO: &str = env!("CARGO_BIN_EXE_ferroccl-topo");
 const VIZ: &str = env!("CARGO_BIN_EXE_ferroccl-viz");
+const LIMITS: &str = env!("CARGO_BIN_EXE_ferroccl-limits");
 
 /// Every tool, by the name its completions and messages use.
 const TOOLS: [(&str, &str); 5] = [
@@ -622,4 +623,59 @@ fn topo_names_the_cuda_driver_it_sees() {
             "{text}"
         );
     }
+}
+
+/// `ferroccl-limits` measures and prints the floor and one bound per rank count, as text
+/// and as JSON; a reader that stops early ends it quietly (status 1, nothing on
+/// stderr), not with a panic on the broken pipe.
+#[test]
+fn limits_prints_the_floor_and_the_bounds_and_stops_quietly_on_a_closed_pipe() {
+    let quick = [
+        "--rounds",
+        "2000",
+        "--copy-bytes",
+        "1048576",
+        "--reps",
+        "1",
+        "--ranks",
+        "2,4",
+    ];
+    let out = run(LIMITS, &quick);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].starts_with("cache line, one way between CPUs of ranks 0 and 1: "),
+        "{text}"
+    );
+    for (line, n) in lines[1..].iter().zip([2, 4]) {
+        assert!(
+            line.starts_with(&format!("{n} ranks: ")) && line.ends_with(" GB/s busbw"),
+            "{text}"
+        );
+    }
+    let json = run(LIMITS, &[&quick[..], &["--json"]].concat());
+    assert!(json.status.success(), "{}", stderr(&json));
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert!(doc["one_way_us"].as_f64().unwrap() > 0.0, "{doc}");
+    let ranks: Vec<u64> = doc["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["ranks"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ranks, [2, 4], "{doc}");
+
+    let mut child = Command::new(LIMITS)
+        .args(quick)
+        .env_remove("FERROCCL_CPU_BIND")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let closed = child.wait_with_output().unwrap();
+    assert_eq!(closed.status.code(), Some(1), "{}", stderr(&closed));
+    assert!(closed.stderr.is_empty(), "{}", stderr(&closed));
 }
