@@ -107,6 +107,7 @@ fn load() -> std::result::Result<Compiler, String> {
             Ok(lib) => std::mem::forget(lib),
             Err(e) => return Err(format!("FERROCCL_NVRTC={}: {e}", path.display())),
         }
+        preload_builtins(path.parent())?;
     }
     // SAFETY: probing dlopens candidates by name only.
     if !unsafe { sys::is_culib_present() } {
@@ -130,6 +131,32 @@ fn load() -> std::result::Result<Compiler, String> {
     Ok(Compiler {
         version: (major, minor),
     })
+}
+
+/// Loads NVRTC's builtins library (`libnvrtc-builtins.so.M.m`) from the directory NVRTC
+/// was loaded from. NVRTC opens it by soname when it compiles; NVRTC 13.2 finds it beside
+/// itself (its RUNPATH is `$ORIGIN`), but NVRTC 13.0 (the wheel torch 2.11 installs) has
+/// no RUNPATH and fails every compile with "failed to open libnvrtc-builtins.so.13.0"
+/// unless the directory is on `LD_LIBRARY_PATH`. A library already loaded answers a
+/// later open by its soname, so loading it here serves both.
+fn preload_builtins(dir: Option<&std::path::Path>) -> std::result::Result<(), String> {
+    let Some(entries) = dir.and_then(|d| std::fs::read_dir(d).ok()) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        // `libnvrtc-builtins.alt.so.*` is the variant for NVRTC's alternative build.
+        if name.starts_with("libnvrtc-builtins.so.") {
+            // SAFETY: loading NVRTC's builtins runs its initialisers, which have no
+            // preconditions.
+            match unsafe { libloading::Library::new(entry.path()) } {
+                Ok(lib) => std::mem::forget(lib),
+                Err(e) => return Err(format!("{}: {e}", entry.path().display())),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A compiled kernel source.
