@@ -375,11 +375,16 @@ fn device_results_of(
 ) -> Vec<Vec<i32>> {
     let n = contexts.len();
     let comms = Communicator::init_all_with(n, config_of(shape)).unwrap();
+    // No rank frees its memory until every rank's call has finished: a free waits for
+    // the whole device, and blocks this process's other launches meanwhile (with NCCL
+    // too), so a rank freeing while a peer has yet to launch hangs on a GPU.
+    let finished = std::sync::Barrier::new(n);
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .zip(contexts)
             .map(|(c, ctx)| {
+                let finished = &finished;
                 s.spawn(move || {
                     ctx.bind_to_thread().unwrap();
                     let stream = ctx.new_stream().unwrap();
@@ -446,6 +451,7 @@ fn device_results_of(
                     stream.synchronize().unwrap();
                     c.synchronize_device().unwrap();
                     let v = stream.clone_dtoh(&out).unwrap();
+                    finished.wait();
                     v[result_at..result_at + out_len].to_vec()
                 })
             })

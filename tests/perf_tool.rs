@@ -545,6 +545,7 @@ fn every_failing_driver_call_is_named_and_nothing_hangs() {
         ("cuIpcOpenMemHandle_v2", processes, &[]),
         ("cuModuleLoadData", processes, &[]),
         ("cuModuleGetFunction", processes, &[]),
+        ("cuFuncLoad", processes, &[]),
         ("cuLaunchKernel", processes, &[]),
         ("cuEventCreate", processes, &[]),
         ("cuEventRecord", processes, &[]),

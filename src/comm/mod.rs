@@ -182,6 +182,21 @@ impl RawCall {
     }
 }
 
+/// Loads the device executor into the current context at initialisation, before any
+/// rank can launch a call: with lazy loading (the CUDA default since 12.2) a kernel's
+/// first launch may wait for the whole context, where a peer's kernel already waits for
+/// this rank or the caller holds a stream until the call returns (both hung on an H100;
+/// see [`crate::cuda::Function::load`]). A failure only postpones the load to the first
+/// device call, which reports it; host calls never need the executor.
+fn load_device_executor(rank: usize) {
+    if let Err(e) = engine::device::load_executor() {
+        tracing::info!(
+            rank,
+            "the device executor is not loaded at initialisation: {e}"
+        );
+    }
+}
+
 /// What every rank agrees on at initialisation (collective): everyone plans with rank
 /// 0's cost model, so that every rank picks the same algorithm for the same call even if
 /// their environments differ; the settings that shape plans and FIFOs must be the same
@@ -308,6 +323,11 @@ impl Communicator {
             return Err(Error::invalid("init_all: 0 ranks"));
         }
         config.validate()?;
+        if crate::cuda::current_gpu().is_some() {
+            // The ranks' threads have no context unless `before_init` makes one current:
+            // their device calls will run in this thread's, so load the executor there.
+            load_device_executor(0);
+        }
         let store = HashStore::new();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
@@ -336,6 +356,11 @@ impl Communicator {
         let (rank, nranks) = (boot.rank(), boot.world_size());
         // The GPU current on this thread, if any, for the device calls' tuning.
         let gpu = crate::cuda::current_gpu();
+        if gpu.is_some() {
+            // Before the collective below, so that no rank of this communicator has a
+            // kernel running while another loads the executor.
+            load_device_executor(rank);
+        }
         let (mut model, gpu_lines) = agree_at_init(&boot, &config, gpu.as_ref())?;
         // The same hosts for the plans' rings and trees, the cost model and the
         // transports (with TCP forced, every rank is a host of its own).

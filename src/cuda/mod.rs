@@ -451,6 +451,14 @@ fn runtime_symbols() -> Result<()> {
         .map_err(|what| Error::Cuda { what })
 }
 
+/// Whether the loaded driver has `name` (for calls newer than the oldest driver ferroccl
+/// runs on).
+fn has_symbol(name: &str) -> bool {
+    // SAFETY: the library is loaded (callers reached the driver first); lookup only.
+    let lib = unsafe { sys::culib() };
+    missing_symbol(lib, &[name]).is_none()
+}
+
 fn no_context() -> Error {
     Error::Cuda {
         what: "no CUDA context is current on this thread: make the rank's GPU current first \
@@ -1047,8 +1055,17 @@ unsafe impl Sync for Function {}
 
 impl Function {
     /// Loads `source`, compiled for the current device's architecture, and returns its
-    /// entry point `entry`. Each (source, entry, context) is loaded once per process and
-    /// stays loaded.
+    /// entry point `entry`, its code on the GPU. Each (source, entry, context) is loaded
+    /// once per process and stays loaded.
+    ///
+    /// With lazy loading (`CUDA_MODULE_LOADING=LAZY`, the default since CUDA 12.2) a
+    /// module's kernels reach the GPU at their first launch, and that load may wait for
+    /// every stream of the context. A kernel of one rank that waits for another rank's
+    /// kernel, whose first launch waits for the context, never ends: on an H100 the
+    /// second of two ranks on one GPU hung there. So the function is loaded here, with
+    /// `cuFuncLoad` (CUDA 12.4 and later drivers; older ones load at
+    /// `cuModuleGetFunction`), and callers load before they launch anything that could
+    /// wait (see `engine::device::load_executor`).
     pub fn load(source: &nvrtc::KernelSource, entry: &str) -> Result<Self> {
         type Loaded = Mutex<HashMap<(&'static str, String, usize), Function>>;
         static LOADED: OnceLock<Loaded> = OnceLock::new();
@@ -1079,6 +1096,9 @@ impl Function {
                 sys::cuModuleGetFunction(&mut f, module, name.as_ptr()),
                 "cuModuleGetFunction",
             )?;
+            if has_symbol("cuFuncLoad") {
+                check(sys::cuFuncLoad(f), "cuFuncLoad")?;
+            }
         }
         loaded.insert(key, Function(f));
         Ok(Function(f))

@@ -36,6 +36,15 @@ use crate::store::Store;
 use crate::transport::cuda_ipc::DeviceFifos;
 use crate::transport::fifo::Geometry;
 
+/// Loads the executor (`ferroccl_execute`) into the current context, its code on the GPU
+/// ([`Function::load`]), or returns it if it was loaded before. Communicators call it at
+/// initialisation when a GPU is current: a lazy load at a rank's first launch may wait
+/// for the whole context, where a peer's kernel already waits for this rank, or for a
+/// stream the caller holds until the call returns.
+pub fn load_executor() -> Result<Function> {
+    Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")
+}
+
 /// Threads per block of the executor.
 pub const THREADS: u32 = 256;
 
@@ -329,15 +338,19 @@ impl Drop for Watchdog {
 /// stream's handle, or its context's for the legacy default stream).
 type StreamUsers = Mutex<HashMap<usize, (u64, usize, u64)>>;
 
+fn stream_users() -> std::sync::MutexGuard<'static, HashMap<usize, (u64, usize, u64)>> {
+    static USERS: OnceLock<StreamUsers> = OnceLock::new();
+    USERS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
 /// Refuses a call that two ranks of one communicator put on one stream: their kernels
 /// must run at the same time, so the second would wait for the first forever (and the
 /// first for the second). `comm` identifies the communicator in this process.
 fn claim_stream(stream_key: usize, comm: u64, rank: usize, op: &str, seq: u64) -> Result<()> {
-    static USERS: OnceLock<StreamUsers> = OnceLock::new();
-    let mut users = USERS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut users = stream_users();
     if let Some(&(c, other, s)) = users.get(&stream_key)
         && c == comm
         && s == seq
@@ -352,6 +365,14 @@ fn claim_stream(stream_key: usize, comm: u64, rank: usize, op: &str, seq: u64) -
     }
     users.insert(stream_key, (comm, rank, seq));
     Ok(())
+}
+
+/// Forgets the streams rank `rank` of `comm` used. The driver hands a destroyed stream's
+/// handle to the next stream made, and a later communicator of the same members has the
+/// same `comm`: a stale claim then refused a rank's first call as if another rank had
+/// made it on the same stream (ranks that were threads of one process on an H100).
+fn release_streams(comm: u64, rank: usize) {
+    stream_users().retain(|_, &mut (c, r, _)| (c, r) != (comm, rank));
 }
 
 /// One rank's device side: the executor, its FIFOs, its calls in flight, all in one
@@ -406,7 +427,7 @@ impl Launcher {
             ctx,
             watchdog: Watchdog::start(rank, abort_word.clone(), on_timeout, peers)?,
             timeout,
-            executor: Function::load(&nvrtc::EXECUTOR, "ferroccl_execute")?,
+            executor: load_executor()?,
             fifos: DeviceFifos::new(rank, simple, ll)?,
             abort_word,
             pending: VecDeque::new(),
@@ -660,6 +681,7 @@ impl Drop for Launcher {
     /// dead peer cannot hold this forever), then free everything in the launcher's
     /// context.
     fn drop(&mut self) {
+        release_streams(self.comm, self.rank);
         let Ok(_current) = self.ctx.push() else {
             return;
         };
@@ -670,5 +692,28 @@ impl Drop for Launcher {
         self.pending.clear();
         self.pools = Pools::default();
         self.fifos.release();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{claim_stream, release_streams};
+
+    /// A stream handle the driver hands out again, to a later communicator of the same
+    /// members: the earlier one's claim is gone once its launcher is dropped.
+    #[test]
+    fn a_stream_claim_ends_with_its_launcher() {
+        let (stream, comm) = (0x5eed_0001, 0xfeed_0001);
+        claim_stream(stream, comm, 0, "all_reduce", 0).unwrap();
+        let err = claim_stream(stream, comm, 1, "all_reduce", 0).unwrap_err();
+        assert!(err.to_string().contains("ranks 0 and 1"), "{err}");
+        // The same rank's next call, and another communicator, may use it.
+        claim_stream(stream, comm, 0, "all_reduce", 1).unwrap();
+        claim_stream(stream, comm + 1, 1, "all_reduce", 1).unwrap();
+        release_streams(comm + 1, 1);
+        claim_stream(stream, comm, 0, "all_reduce", 0).unwrap();
+        release_streams(comm, 0);
+        claim_stream(stream, comm, 1, "all_reduce", 0).unwrap();
+        release_streams(comm, 1);
     }
 }

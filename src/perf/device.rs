@@ -276,6 +276,9 @@ pub struct DeviceRank<'a> {
     stream: Stream,
     nccl: Option<Nccl>,
     libraries: Vec<Library>,
+    /// The device memory of every size's buffers, grown only between sizes (see
+    /// [`DeviceRank::memory_of`]).
+    memory: std::cell::RefCell<Option<DeviceBuffer>>,
 }
 
 impl<'a> DeviceRank<'a> {
@@ -298,7 +301,30 @@ impl<'a> DeviceRank<'a> {
             stream: Stream::new()?,
             nccl,
             libraries,
+            memory: std::cell::RefCell::new(None),
         })
+    }
+
+    /// The device address of at least `bytes` of this rank's memory. Collective: every
+    /// rank calls it once per size and mode, after its previous calls have finished.
+    ///
+    /// Memory is never freed while a call of any rank may run, as nccl-tests allocates
+    /// once: `cuMemFree` waits for the whole device, and ranks that are threads of one
+    /// process share its driver, so a free in one rank blocks the others' launches while
+    /// a peer's kernel already waits for them (3 and 4 ranks on one H100 hung there).
+    /// When a size needs more, every rank agrees on the largest need, frees and
+    /// allocates, and waits for the others before anyone launches again.
+    fn memory_of(&self, bytes: usize) -> Result<u64> {
+        let mut need = [bytes.max(1) as u64];
+        self.comm.all_reduce_in_place(&mut need, ReduceOp::Max)?;
+        let need = need[0] as usize;
+        let mut memory = self.memory.borrow_mut();
+        if memory.as_ref().is_none_or(|m| m.len() < need) {
+            *memory = None;
+            *memory = Some(DeviceBuffer::zeroed(need)?);
+            self.comm.barrier()?;
+        }
+        Ok(memory.as_ref().expect("allocated above").ptr())
     }
 
     /// The libraries to sweep, in order.
@@ -332,10 +358,10 @@ impl<'a> DeviceRank<'a> {
         let elem = std::mem::size_of::<T>();
         let mut bufs = Buffers::<T>::new(call.c, call.count, rank, n, in_place);
         let bytes = bufs.mem.len() * elem;
-        let mem = DeviceBuffer::zeroed(bytes.max(1))?;
+        let mem = self.memory_of(bytes)?;
         let (input, output) = (
-            mem.ptr() + (bufs.input_at * elem) as u64,
-            mem.ptr() + (bufs.output_at * elem) as u64,
+            mem + (bufs.input_at * elem) as u64,
+            mem + (bufs.output_at * elem) as u64,
         );
         let stream = self.stream.handle();
         let run = || -> Result<()> {
@@ -374,8 +400,8 @@ impl<'a> DeviceRank<'a> {
                     } else {
                         vec![raw(call.c, input, output)]
                     };
-                    // SAFETY: the device buffer holds both regions and lives until the
-                    // stream is synchronised (`finish`, before it is dropped).
+                    // SAFETY: the device memory holds both regions and is freed only
+                    // after every rank's calls have finished (`memory_of`).
                     unsafe { comm.enqueue_device(&calls, stream) }
                 }
             }
@@ -391,18 +417,13 @@ impl<'a> DeviceRank<'a> {
             // stream, which this non-blocking one does not wait for), then waited for.
             // SAFETY: both hold `bytes`; the host vector outlives the wait below.
             unsafe {
-                cuda::copy_to_device_async(
-                    mem.ptr(),
-                    bufs.mem.as_ptr() as *const u8,
-                    bytes,
-                    stream,
-                )?
+                cuda::copy_to_device_async(mem, bufs.mem.as_ptr() as *const u8, bytes, stream)?
             };
             self.stream.synchronize()?;
             run()?;
             finish()?;
             // SAFETY: both hold `bytes`.
-            unsafe { cuda::copy_from_device(bufs.mem.as_mut_ptr() as *mut u8, mem.ptr(), bytes)? };
+            unsafe { cuda::copy_from_device(bufs.mem.as_mut_ptr() as *mut u8, mem, bytes)? };
             wrong = Some(call.count_wrong(comm, &mut bufs)?);
         }
         let measured = call.time(comm, args, run, finish);

@@ -22,6 +22,8 @@
 //   checked: live, inside its allocation, and reachable from the launching device (its
 //   own memory, host-mapped memory, IPC mappings, or a peer's with peer access enabled).
 //   A bad one is a sticky CUDA_ERROR_ILLEGAL_ADDRESS on the context, named on stderr.
+//   Kernels load lazily, as CUDA_MODULE_LOADING=LAZY (the real default) does: at
+//   cuFuncLoad or at their first launch, which waits for the context's queued work.
 // - Faults: FERROCCL_SIM_FAIL names driver calls that fail (CUDA_ERROR_UNKNOWN).
 #include "../../kernels/host/shim.h"
 
@@ -132,8 +134,10 @@ struct Config {
   std::string p2p = "all";
   bool nvlink = false;  // P2P pairs over NVLink (native atomics) rather than PCIe
   bool verbose = false;
+  bool eager = false;  // CUDA_MODULE_LOADING=EAGER: kernels load with their module
 
   void load() {
+    if (const char* m = getenv("CUDA_MODULE_LOADING")) eager = strcmp(m, "EAGER") == 0;
     devices = (int)env_long("FERROCCL_SIM_GPUS", 1);
     if (const char* cc = getenv("FERROCCL_SIM_CC")) {
       if (sscanf(cc, "%d.%d", &cc_major, &cc_minor) != 2) {
@@ -527,6 +531,7 @@ void executor_touches(const Params& p, std::vector<std::tuple<uintptr_t, size_t,
 struct Module {
   Ctx* ctx;
   std::set<std::string> entries;
+  std::set<std::string> loaded;  // entries whose code is on the GPU
 };
 
 struct Function {
@@ -1194,6 +1199,65 @@ SIM_API CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t bytes) {
   return CUDA_SUCCESS;
 }
 
+// How long a call that synchronises with a GPU's queued work waits before it calls the
+// wait a hang.
+long sync_timeout_s() { return env_long("FERROCCL_SIM_SYNC_TIMEOUT_S", 60); }
+
+// Waits (with `lock` on `mu`) for the work queued so far on `busy`; false if it does not
+// finish within sync_timeout_s().
+bool wait_for_queued(std::unique_lock<std::mutex>& lock, const std::vector<Stream*>& busy) {
+  for (Stream* s : busy) {
+    uint64_t t = s->enqueued;
+    if (!progress.wait_for(lock, std::chrono::seconds(sync_timeout_s()), [&] { return s->completed >= t; }))
+      return false;
+  }
+  return true;
+}
+
+// Threads of this process now in cuMemFree or cuMemFreeHost, waiting for the device.
+int freeing = 0;
+
+// A call that queues work (a launch, an event record) waits while another thread of the
+// process frees memory: on a GPU the free holds the driver until the device is idle, so
+// a rank whose kernel waits for this launch never ends, and neither does the free
+// (three and four ranks of one process on an H100 hung so). Here both waits give up
+// after sync_timeout_s() and say so.
+CUresult wait_for_frees(std::unique_lock<std::mutex>& lock, const char* by) {
+  if (freeing == 0) return CUDA_SUCCESS;
+  if (!progress.wait_for(lock, std::chrono::seconds(sync_timeout_s()), [] { return freeing == 0; })) {
+    say("%s waited %lds for another thread's cuMemFree/cuMemFreeHost, which waits for the device: on a GPU "
+        "this is a hang (free memory only when no call that needs this thread can be running)",
+        by, sync_timeout_s());
+    return CUDA_ERROR_ILLEGAL_STATE;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Loads f's kernel onto the GPU if it is not there yet. Lazy loading may synchronise the
+// context, and this driver always does: it waits for the work queued on every stream of
+// f's context. On a GPU, a kernel that waits for one whose load waits for it never ends;
+// here the wait gives up after sync_timeout_s() and says so. `by` names the call.
+CUresult load_function(std::unique_lock<std::mutex>& lock, Function* f, const char* by) {
+  Module* m = f->module;
+  std::string name = f->def->name;
+  if (config.eager || m->loaded.count(name)) return CUDA_SUCCESS;
+  Ctx* c = m->ctx;
+  std::vector<Stream*> busy;
+  for (Stream* s : streams)
+    if (s->ctx == c && s->enqueued > s->completed) busy.push_back(s);
+  if (c->legacy && c->legacy->enqueued > c->legacy->completed) busy.push_back(c->legacy);
+  if (!wait_for_queued(lock, busy)) {
+    say("%s: loading %s (lazy loading, as CUDA_MODULE_LOADING=LAZY) waits for GPU %d's queued work, which "
+        "does not finish within %lds: on a GPU this is a hang. Load kernels (cuFuncLoad) before launching "
+        "work that waits on them",
+        by, name.c_str(), c->device, sync_timeout_s());
+    return CUDA_ERROR_ILLEGAL_STATE;
+  }
+  if (!modules.count(m)) return CUDA_ERROR_INVALID_HANDLE;  // unloaded meanwhile
+  m->loaded.insert(name);
+  return CUDA_SUCCESS;
+}
+
 // cuMemFree synchronises with the device's work first, as the real driver does: the
 // memory may be in use by a kernel queued before the call.
 SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
@@ -1211,15 +1275,15 @@ SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
   for (Stream* s : streams)
     if (s->ctx->device == device && s->enqueued > s->completed) busy.push_back(s);
   if (primary[device] && primary[device]->legacy) busy.push_back(primary[device]->legacy);
-  for (Stream* s : busy) {
-    uint64_t t = s->enqueued;
-    if (!progress.wait_for(lock, std::chrono::seconds(env_long("FERROCCL_SIM_FREE_TIMEOUT_S", 60)),
-                           [&] { return s->completed >= t; })) {
-      say("cuMemFree(%#llx) waited %lds for GPU %d's queued work, which does not finish: on a GPU this "
-          "is a hang",
-          p, env_long("FERROCCL_SIM_FREE_TIMEOUT_S", 60), device);
-      return CUDA_ERROR_ILLEGAL_STATE;
-    }
+  freeing++;
+  bool idle = wait_for_queued(lock, busy);
+  freeing--;
+  progress.notify_all();
+  if (!idle) {
+    say("cuMemFree(%#llx) waited %lds for GPU %d's queued work, which does not finish: on a GPU this "
+        "is a hang",
+        p, sync_timeout_s(), device);
+    return CUDA_ERROR_ILLEGAL_STATE;
   }
   it = regions.find((uintptr_t)p);
   if (it == regions.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -1270,6 +1334,22 @@ SIM_API CUresult cuMemFreeHost(void* p) {
     say("cuMemFreeHost(%p): not the start of a live page-locked allocation", p);
     return CUDA_ERROR_INVALID_VALUE;
   }
+  // Like cuMemFree, it waits for the device's queued work first.
+  std::vector<Stream*> busy;
+  for (Stream* s : streams)
+    if (s->ctx->device == c->device && s->enqueued > s->completed) busy.push_back(s);
+  if (c->legacy) busy.push_back(c->legacy);
+  freeing++;
+  bool idle = wait_for_queued(lock, busy);
+  freeing--;
+  progress.notify_all();
+  if (!idle) {
+    say("cuMemFreeHost(%p) waited %lds for GPU %d's queued work, which does not finish: on a GPU this is a hang",
+        p, sync_timeout_s(), c->device);
+    return CUDA_ERROR_ILLEGAL_STATE;
+  }
+  it = regions.find((uintptr_t)p);
+  if (it == regions.end()) return CUDA_ERROR_INVALID_VALUE;
   Region r = it->second;
   regions.erase(it);
   retire_mapping((void*)r.base, r.size);
@@ -1663,7 +1743,8 @@ SIM_API CUresult cuEventCreate(CUevent* out, unsigned flags) {
 
 SIM_API CUresult cuEventRecord(CUevent e, CUstream h) {
   FAULT_POINT();
-  std::lock_guard<std::mutex> g(mu);
+  std::unique_lock<std::mutex> lock(mu);
+  if (CUresult rc = wait_for_frees(lock, "cuEventRecord")) return rc;
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
   if (!events.count(e)) return CUDA_ERROR_INVALID_HANDLE;
@@ -1866,12 +1947,24 @@ SIM_API CUresult cuFuncGetAttribute(int* v, int attribute, CUfunction f) {
   }
 }
 
+SIM_API CUresult cuFuncLoad(CUfunction f) {
+  FAULT_POINT();
+  CHECK_INIT();
+  std::unique_lock<std::mutex> lock(mu);
+  if (!functions.count(f)) return CUDA_ERROR_INVALID_HANDLE;
+  return load_function(lock, f, "cuFuncLoad");
+}
+
 SIM_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, unsigned shared, CUstream h, void** params, void** extra) {
   FAULT_POINT();
-  std::lock_guard<std::mutex> g(mu);
+  std::unique_lock<std::mutex> lock(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
+  if (!functions.count(f)) return CUDA_ERROR_INVALID_HANDLE;
+  // A kernel not loaded yet loads now, before its launch is queued.
+  if (CUresult rc = load_function(lock, f, "cuLaunchKernel")) return rc;
+  if (CUresult rc = wait_for_frees(lock, "cuLaunchKernel")) return rc;
   if (!functions.count(f)) return CUDA_ERROR_INVALID_HANDLE;
   if (f->module->ctx != c) {
     say("cuLaunchKernel: %s was loaded in GPU %d's context, launched in GPU %d's", f->def->name,
