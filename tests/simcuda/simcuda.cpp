@@ -313,6 +313,7 @@ struct Stream {
 };
 
 std::set<Stream*> streams;  // live user streams (the legacy ones are in their Ctx)
+std::vector<Stream*> retired_streams;  // destroyed, their handles to be handed out again
 
 void* worker_main(void* arg);
 
@@ -1532,9 +1533,28 @@ SIM_API CUresult cuStreamCreate(CUstream* out, unsigned flags) {
   std::lock_guard<std::mutex> g(mu);
   Ctx* c;
   if (CUresult rc = current_ctx(&c)) return rc;
-  Stream* s = new Stream{c, flags == 0, false};
+  // The real driver hands a destroyed stream's handle to a later stream; this one always
+  // does when it can, so that code keying state by handle meets it (a claim that outlived
+  // its stream refused ranks' calls on an H100). A stream is reused once its queue is
+  // empty; its worker thread serves it again.
+  Stream* s = nullptr;
+  for (auto it = retired_streams.rbegin(); it != retired_streams.rend(); ++it) {
+    if ((*it)->queue.empty()) {
+      s = *it;
+      retired_streams.erase(std::next(it).base());
+      break;
+    }
+  }
+  if (s) {
+    s->ctx = c;
+    s->blocking = flags == 0;
+    s->live = true;
+    s->capturing = false;
+  } else {
+    s = new Stream{c, flags == 0, false};
+    start_worker(s);
+  }
   streams.insert(s);
-  start_worker(s);
   *out = s;
   return CUDA_SUCCESS;
 }
@@ -1562,6 +1582,7 @@ SIM_API CUresult cuStreamDestroy_v2(CUstream s) {
   std::lock_guard<std::mutex> g(mu);
   if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
   s->live = false;
+  retired_streams.push_back(s);
   return CUDA_SUCCESS;
 }
 
