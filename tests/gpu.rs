@@ -31,9 +31,18 @@ use ferroccl::{DataType, ReduceOp};
 /// GPUs of the simulated driver when there is no real one (`FERROCCL_SIM_GPUS` overrides).
 const SIMULATED_GPUS: usize = 4;
 
+/// Held by a test while it uses the GPU (see [`gpu`]).
+type OneAtATime = std::sync::MutexGuard<'static, ()>;
+
 /// The first GPU and its architecture: a real one, else one of the simulated driver's
-/// (`tests/simcuda`), which the driver says (and `FERROCCL_DEBUG=INFO` logs).
-fn gpu() -> Option<(Arc<CudaContext>, (u32, u32))> {
+/// (`tests/simcuda`), which the driver says (and `FERROCCL_DEBUG=INFO` logs); and a guard
+/// that runs the tests of this process one at a time. Tests running at once would share
+/// the GPU's context, and a free in one (`cuMemFree` waits for the whole device and
+/// holds up the process's launches meanwhile) would hang another whose ranks wait for
+/// each other's launches: on an H100, and on the simulated driver until its timeout.
+fn gpu() -> Option<(Arc<CudaContext>, (u32, u32), OneAtATime)> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let real = common::real_gpu_or_simulated(SIMULATED_GPUS);
     let driver = cuda::driver().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(real, driver.simulated.is_none(), "{driver:?}");
@@ -42,7 +51,11 @@ fn gpu() -> Option<(Arc<CudaContext>, (u32, u32))> {
     }
     assert!(cuda::device_count() > 0, "the driver sees no GPU");
     let arch = cuda::compute_capability(0).expect("compute capability");
-    Some((CudaContext::new(0).expect("CUDA context on device 0"), arch))
+    Some((
+        CudaContext::new(0).expect("CUDA context on device 0"),
+        arch,
+        guard,
+    ))
 }
 
 /// Whether the tests run on the simulated driver.
@@ -70,7 +83,9 @@ fn bytes_of(dtype: DataType, n: usize, salt: u64) -> Vec<u8> {
 
 #[test]
 fn gpu_element_wise_kernels_equal_the_host_kernels() {
-    let Some((ctx, arch)) = gpu() else { return };
+    let Some((ctx, arch, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let stream = ctx.default_stream();
     let m = module(&ctx, &nvrtc::REDUCE, arch);
     let f = m.load_function("ferroccl_reduce").unwrap();
@@ -260,7 +275,9 @@ fn executor_all_reduce(ctx: &Arc<CudaContext>, arch: (u32, u32), n: usize, proto
 
 #[test]
 fn gpu_executor_all_reduce_of_2_to_4_ranks_on_one_gpu_equals_the_host_engine() {
-    let Some((ctx, arch)) = gpu() else { return };
+    let Some((ctx, arch, _one_at_a_time)) = gpu() else {
+        return;
+    };
     for n in 2..=4 {
         for protocol in DEVICE_PROTOCOLS {
             executor_all_reduce(&ctx, arch, n, protocol);
@@ -488,7 +505,9 @@ fn check_device_shape(
 
 #[test]
 fn gpu_communicator_collectives_on_device_memory_equal_the_host_engine() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     for n in 2..=4 {
         let contexts = vec![ctx.clone(); n];
         for collective in Collective::every(n)
@@ -504,7 +523,9 @@ fn gpu_communicator_collectives_on_device_memory_equal_the_host_engine() {
 
 #[test]
 fn gpu_a_call_returns_before_its_stream_runs_it() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     check_device_collective(
         &[ctx.clone(), ctx],
         Collective::AllReduce,
@@ -515,7 +536,7 @@ fn gpu_a_call_returns_before_its_stream_runs_it() {
 
 #[test]
 fn gpu_every_pair_of_gpus_runs_the_collectives() {
-    let Some(_) = gpu() else { return };
+    let Some(_one_at_a_time) = gpu() else { return };
     let devices = cuda::device_count();
     if devices < 2 {
         eprintln!("\n*** SKIPPED (one GPU here): GPU pairs need two devices ***\n");
@@ -541,7 +562,7 @@ fn gpu_every_pair_of_gpus_runs_the_collectives() {
 #[test]
 fn gpu_ferroccl_and_nvidia_nccl_agree_bit_for_bit_on_integer_data() {
     use std::ffi::{c_int, c_void};
-    let Some(_) = gpu() else { return };
+    let Some(_one_at_a_time) = gpu() else { return };
     if simulated() {
         eprintln!(
             "\n*** SKIPPED (needs real silicon): NVIDIA's NCCL runs only on a GPU, not on the \
@@ -702,7 +723,9 @@ fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
 /// timeout.
 #[test]
 fn gpu_a_stream_held_by_a_peer_that_never_calls_is_given_back_after_the_timeout() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let timeout = std::time::Duration::from_secs(2);
     let comms = short_timeout_comms(2, timeout);
     let stream = ctx.new_stream().unwrap();
@@ -730,7 +753,9 @@ fn gpu_a_stream_held_by_a_peer_that_never_calls_is_given_back_after_the_timeout(
 /// the timeout.
 #[test]
 fn gpu_two_ranks_on_one_stream_are_refused() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let timeout = std::time::Duration::from_secs(2);
     let comms = short_timeout_comms(2, timeout);
     warm_up(&ctx, &comms);
@@ -761,7 +786,9 @@ fn gpu_two_ranks_on_one_stream_are_refused() {
 #[test]
 fn gpu_a_capturing_stream_is_refused_clearly() {
     use cudarc::driver::sys;
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let comms = short_timeout_comms(1, std::time::Duration::from_secs(30));
     let stream = ctx.new_stream().unwrap();
     let x = stream.clone_htod(&int_input(0, COUNT)).unwrap();
@@ -807,7 +834,7 @@ fn gpu_a_capturing_stream_is_refused_clearly() {
 /// made for it on GPU 0 behind its back.
 #[test]
 fn gpu_a_thread_without_a_context_is_told_so() {
-    let Some(_) = gpu() else { return };
+    let Some(_one_at_a_time) = gpu() else { return };
     std::thread::spawn(|| {
         let err = cuda::DeviceBuffer::zeroed(64).unwrap_err().to_string();
         assert!(err.contains("no CUDA context is current"), "{err}");
@@ -822,7 +849,9 @@ fn gpu_a_thread_without_a_context_is_told_so() {
 /// host engine's.
 #[test]
 fn gpu_every_collective_and_root_both_protocols_channels_and_places() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let contexts = vec![ctx.clone(); 3];
     for collective in Collective::every(3) {
         for (protocol, channels) in [
@@ -848,7 +877,9 @@ fn gpu_every_collective_and_root_both_protocols_channels_and_places() {
 /// orders a rank's launches whatever their streams, and the user's event orders the data.
 #[test]
 fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let n = 2;
     let comms = Communicator::init_all_with(n, device_config(Protocol::Simple)).unwrap();
     let sizes = [1usize, 4099, COUNT, 17];
@@ -896,7 +927,7 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
 /// through page-locked host memory; the results are the host engine's either way.
 #[test]
 fn gpu_two_gpus_with_or_without_p2p_give_the_host_engines_results() {
-    let Some(_) = gpu() else { return };
+    let Some(_one_at_a_time) = gpu() else { return };
     if cuda::device_count() < 2 {
         eprintln!("\n*** SKIPPED (one GPU here): P2P needs two devices ***\n");
         return;
@@ -917,7 +948,9 @@ fn gpu_two_gpus_with_or_without_p2p_give_the_host_engines_results() {
 /// instead of a hang. With room for both, the call succeeds.
 #[test]
 fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
-    let Some((ctx, _)) = gpu() else { return };
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
     let one_block = std::env::var("FERROCCL_SIM_RESIDENT_BLOCKS").as_deref() == Ok("1");
     // The ring, whose kernels wait on each other at every step (the cost model's
     // pipeline-fill term now gives 2 ranks the one-shot at this size).
@@ -955,7 +988,7 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
 /// staged through host memory), and GPUs that hold one block at a time.
 #[test]
 fn gpu_other_simulated_machines() {
-    let Some(_) = gpu() else { return };
+    let Some(_one_at_a_time) = gpu() else { return };
     if !simulated() {
         return;
     }

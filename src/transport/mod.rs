@@ -180,8 +180,8 @@ impl TransportConfig {
 }
 
 /// The RDMA device ports the ranks of this host would use for peers on other hosts, as
-/// the transport picks them (see [`rdma::open_nic`]), or why there is none. For
-/// `ferroccl-topo`.
+/// the transport picks them (`rdma::open_nic`, built with the `rdma` feature), or why
+/// there is none. For `ferroccl-topo`.
 pub fn rdma_device_here() -> std::result::Result<String, String> {
     #[cfg(feature = "rdma")]
     {
