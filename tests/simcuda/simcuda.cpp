@@ -1259,6 +1259,21 @@ CUresult load_function(std::unique_lock<std::mutex>& lock, Function* f, const ch
   return CUDA_SUCCESS;
 }
 
+// What a free does first (cuMemFree, cuMemFreeHost): waits for the work queued on every
+// stream of `device` and its legacy stream, counted in `freeing` meanwhile (see
+// wait_for_frees); false if that work does not finish within sync_timeout_s().
+bool wait_before_free(std::unique_lock<std::mutex>& lock, int device) {
+  std::vector<Stream*> busy;
+  for (Stream* s : streams)
+    if (s->ctx->device == device && s->enqueued > s->completed) busy.push_back(s);
+  if (primary[device] && primary[device]->legacy) busy.push_back(primary[device]->legacy);
+  freeing++;
+  bool idle = wait_for_queued(lock, busy);
+  freeing--;
+  progress.notify_all();
+  return idle;
+}
+
 // cuMemFree synchronises with the device's work first, as the real driver does: the
 // memory may be in use by a kernel queued before the call.
 SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
@@ -1272,15 +1287,7 @@ SIM_API CUresult cuMemFree_v2(CUdeviceptr p) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   int device = it->second.device;
-  std::vector<Stream*> busy;
-  for (Stream* s : streams)
-    if (s->ctx->device == device && s->enqueued > s->completed) busy.push_back(s);
-  if (primary[device] && primary[device]->legacy) busy.push_back(primary[device]->legacy);
-  freeing++;
-  bool idle = wait_for_queued(lock, busy);
-  freeing--;
-  progress.notify_all();
-  if (!idle) {
+  if (!wait_before_free(lock, device)) {
     say("cuMemFree(%#llx) waited %lds for GPU %d's queued work, which does not finish: on a GPU this "
         "is a hang",
         p, sync_timeout_s(), device);
@@ -1336,15 +1343,7 @@ SIM_API CUresult cuMemFreeHost(void* p) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   // Like cuMemFree, it waits for the device's queued work first.
-  std::vector<Stream*> busy;
-  for (Stream* s : streams)
-    if (s->ctx->device == c->device && s->enqueued > s->completed) busy.push_back(s);
-  if (c->legacy) busy.push_back(c->legacy);
-  freeing++;
-  bool idle = wait_for_queued(lock, busy);
-  freeing--;
-  progress.notify_all();
-  if (!idle) {
+  if (!wait_before_free(lock, c->device)) {
     say("cuMemFreeHost(%p) waited %lds for GPU %d's queued work, which does not finish: on a GPU this is a hang",
         p, sync_timeout_s(), c->device);
     return CUDA_ERROR_ILLEGAL_STATE;
