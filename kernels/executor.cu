@@ -19,8 +19,9 @@
 
 // Data bytes of one LL line (4 data + 4 flag).
 #define FCCL_LL_DATA 4u
-// Every this many positions each slot's first use rewrites all its lines (as the host's
-// LL FIFOs, `transport::fifo`), so no stale flag can come round again.
+// Every this many positions each slot's first use rewrites all its lines, so no stale
+// flag can come round again (NCCL's NCCL_LL_CLEAN_MASK). The host's LL slots have one
+// flag, in a header that every use rewrites (`transport::fifo`).
 #define FCCL_LL_CLEAN_PERIOD 0x80000000ull
 
 // What the threads of one block share.

@@ -8,7 +8,9 @@ pub enum Protocol {
     /// Data, byte count, then the `head` counter: full bandwidth.
     #[default]
     Simple,
-    /// A flag in every 8-byte line: low latency, half the bandwidth.
+    /// The flag travels with the data: low latency, for small messages (on the host, a
+    /// header in the message's first cache line; on a GPU, a flag in every 8-byte line,
+    /// at half the bandwidth).
     LL,
     /// Between ranks of one host, a message is a descriptor of the sender's region in
     /// a Simple slot, and the receiver reads the region itself
