@@ -36,8 +36,8 @@
 //! crossover is where the two lines meet ([`CostModel::crossover`]).
 //!
 //! The **protocol** (see [`Protocol`]) changes the local link's `α` and `β`: LL hands a
-//! small message over in fewer cache lines but moves half the bytes per line, so it wins
-//! below some size and Simple above. Across hosts the model offers only Simple unless
+//! small message over in fewer cache lines but in smaller slices, each a hand-off, so it
+//! wins below some size and Simple above. Across hosts the model offers only Simple unless
 //! LL is forced: over TCP an LL call still uses the Simple FIFOs, but in LL-sized
 //! slices, each a hand-off through the proxies (measured on loopback, 2 ranks, 512 KiB:
 //! 0.24 GB/s with LL slices against 2.0 GB/s with Simple ones), which this model does
@@ -205,8 +205,12 @@ pub struct CostModel {
 impl Default for CostModel {
     /// Measured on a 2-core VM: shared memory hands off in about 1 µs when ranks share
     /// cores and moves ~10 GB/s; LL hands off about 0.09 µs sooner (`ferroccl-tune
-    /// measure`, 2 processes: 8-byte ping-pong 0.48 µs against 0.56–0.62 µs) and moves
-    /// ~2 GB/s (1.85–2.26 GB/s measured); single copy between processes hands off in
+    /// measure`, 2 processes: 8-byte ping-pong 0.48 µs against 0.56–0.62 µs). Since its
+    /// flag moved into one header per slot (2026-11-27), LL moves what Simple does per
+    /// byte (`ferroccl-tune measure`: 8.7–9.2 GB/s, Simple 6.5–7.3), but in 4 KiB
+    /// slices, each a hand-off: 7.5 GB/s puts the 2-rank one-shot's crossover at 3 KB,
+    /// where the measured one lies (2 KiB: LL 0.70 µs, Simple 0.75; 4 KiB: 1.04 against
+    /// 0.95; it was ~2 GB/s with a flag in every 8-byte line); single copy between processes hands off in
     /// 2.3 µs (a descriptor, then a system call) and moves 4.9 GB/s (2026-11-25: the
     /// kernel's cross-memory copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on
     /// this machine it loses to two copies through a cache-resident FIFO and the model
@@ -215,7 +219,7 @@ impl Default for CostModel {
     fn default() -> Self {
         CostModel {
             local: LinkCost::new(1.0, 10.0),
-            local_ll: LinkCost::new(0.9, 2.0),
+            local_ll: LinkCost::new(0.9, 7.5),
             local_single: LinkCost::new(2.3, 4.9),
             net: LinkCost::new(30.0, 1.6),
         }
