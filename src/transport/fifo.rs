@@ -220,7 +220,6 @@ impl Shared {
         self.u32_at(SIZES + 4 * slot)
     }
 
-    /// The lines of the slot of `counter` (LL FIFOs).
     /// LL: the header of slot `counter` (see the module documentation).
     fn ll_header(&self, counter: u32) -> &AtomicU64 {
         // SAFETY: the slot lies inside the segment, which lives as long as `self`; it is
