@@ -578,7 +578,7 @@ impl RecvEnd {
 
     /// LL: the message of the slot published as number `counter` and its byte count, if
     /// its header carries that number.
-    fn ll_peek(&mut self, counter: u32) -> Option<(*const u8, usize)> {
+    fn ll_peek(&self, counter: u32) -> Option<(*const u8, usize)> {
         let header = self.shared.ll_header(counter).load(Ordering::Acquire);
         if header >> 32 != u64::from(ll_flag(counter)) {
             return None;
