@@ -212,10 +212,10 @@ impl Default for CostModel {
     /// in an all-reduce it falls behind from 4 KiB, with 4 KiB slots and 64 KiB ones alike
     /// (8 KiB: 1.6–1.75 µs against 1.22–1.28), and rotating LL messages through their
     /// slots as Simple's rotate gained little (8 KiB: 4.3 → 4.0 µs against Simple's 2.3,
-    /// far), so the reason is still open: fitted, 7.5 GB/s puts the 2-rank one-shot's crossover at 3 KB, where the measured
-    /// one lies (2 KiB: LL 0.70 µs, Simple 0.75; 4 KiB: 1.04 against
-    /// 0.95; it was ~2 GB/s with a flag in every 8-byte line); single copy between processes hands off in
-    /// 2.3 µs (a descriptor, then a system call) and moves 4.9 GB/s (2026-11-25: the
+    /// far), so the reason is still open. Fitted, 7.5 GB/s puts the 2-rank one-shot's
+    /// crossover at 3 KB, where the measured one lies (2 KiB: LL 0.70 µs, Simple 0.75;
+    /// 4 KiB: 1.04 against 0.95; it was ~2 GB/s with a flag in every 8-byte line);
+    /// single copy between processes hands off in 2.3 µs (a descriptor, then a system call) and moves 4.9 GB/s (2026-11-25: the
     /// kernel's cross-memory copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on
     /// this machine it loses to two copies through a cache-resident FIFO and the model
     /// never picks it unless told to); loopback TCP through the proxies takes ~30 µs a
