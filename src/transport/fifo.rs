@@ -707,6 +707,32 @@ mod tests {
     }
 
     #[test]
+    fn ll_slots_are_filled_and_read_ahead_in_place() {
+        // Several writers fill slots ahead of the next one to publish, and several
+        // readers look ahead of the oldest: for LL too, every look finds the slot's
+        // message after its header, and only once its header is published.
+        let (mut tx, mut rx) = pair(Geometry::ll(4, 64), "ll-ahead");
+        for ahead in 0..3u32 {
+            let p = tx.try_reserve_ahead(ahead).expect("room");
+            // SAFETY: the slot holds 64 bytes and is this end's until committed.
+            unsafe { std::ptr::write_bytes(p, ahead as u8 + 1, 20) };
+        }
+        assert!(tx.try_reserve_ahead(4).is_none(), "4 slots only");
+        assert!(rx.try_peek_ahead(0).is_none(), "nothing published yet");
+        for _ in 0..3 {
+            tx.commit(20);
+        }
+        for ahead in [2u32, 0, 1] {
+            let (p, len) = rx.try_peek_ahead(ahead).expect("published");
+            assert_eq!(len, 20);
+            // SAFETY: 20 published bytes, readable until release.
+            let got = unsafe { std::slice::from_raw_parts(p, len) };
+            assert_eq!(got, &[ahead as u8 + 1; 20]);
+        }
+        assert!(rx.try_peek_ahead(3).is_none(), "slot 3 not published");
+    }
+
+    #[test]
     fn ll_messages_fill_the_payload_of_every_geometry() {
         for (slots, payload) in [(2, 64), (4, 128), (8, 4096), (2, 1 << 20)] {
             let g = Geometry::ll(slots, payload);
