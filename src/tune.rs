@@ -37,12 +37,11 @@
 //!
 //! The **protocol** (see [`Protocol`]) changes the local link's `α` and `β`: LL hands a
 //! small message over in fewer cache lines but falls behind on larger ones (measured,
-//! not yet explained: see [`CostModel::default`]), so it wins below some size and Simple
-//! above. Across hosts the model offers only Simple unless
-//! LL is forced: over TCP an LL call still uses the Simple FIFOs, but in LL-sized
-//! slices, each a hand-off through the proxies (measured on loopback, 2 ranks, 512 KiB:
-//! 0.24 GB/s with LL slices against 2.0 GB/s with Simple ones), which this model does
-//! not describe.
+//! not yet explained: see [`CostModel::default`]), so it wins below some size and
+//! Simple above. Across hosts the model offers only Simple unless LL is forced: over
+//! TCP an LL call still uses the Simple FIFOs, but in LL-sized slices, each a hand-off
+//! through the proxies (measured on loopback, 2 ranks, 512 KiB: 0.24 GB/s with LL
+//! slices against 2.0 GB/s with Simple ones), which this model does not describe.
 //! Collectives without a choice of algorithm (all-gather, reduce-scatter, reduce,
 //! the direct ones, send/recv) still get the protocol their step count and bytes favour.
 //!
@@ -209,17 +208,17 @@ impl Default for CostModel {
     /// measure`, 2 processes: 8-byte ping-pong 0.48 µs against 0.56–0.62 µs). Since its
     /// flag moved into one header per slot (2026-11-27), LL moves what Simple does per
     /// byte in a ping-pong (`ferroccl-tune measure`: 8.7–9.2 GB/s, Simple 6.5–7.3), but
-    /// in an all-reduce it falls behind from 4 KiB, with 4 KiB slots and 64 KiB ones alike
-    /// (8 KiB: 1.6–1.75 µs against 1.22–1.28), and rotating LL messages through their
-    /// slots as Simple's rotate gained little (8 KiB: 4.3 → 4.0 µs against Simple's 2.3,
-    /// far), so the reason is still open. Fitted, 7.5 GB/s puts the 2-rank one-shot's
-    /// crossover at 3 KB, where the measured one lies (2 KiB: LL 0.70 µs, Simple 0.75;
-    /// 4 KiB: 1.04 against 0.95; it was ~2 GB/s with a flag in every 8-byte line);
-    /// single copy between processes hands off in 2.3 µs (a descriptor, then a system call) and moves 4.9 GB/s (2026-11-25: the
-    /// kernel's cross-memory copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on
-    /// this machine it loses to two copies through a cache-resident FIFO and the model
-    /// never picks it unless told to); loopback TCP through the proxies takes ~30 µs a
-    /// step and ~1.6 GB/s.
+    /// in an all-reduce it falls behind from 4 KiB, with 4 KiB slots and 64 KiB ones
+    /// alike (8 KiB: 1.6–1.75 µs against 1.22–1.28), and rotating LL messages through
+    /// their slots as Simple's rotate gained little (8 KiB: 4.3 → 4.0 µs against
+    /// Simple's 2.3, far), so the reason is still open. Fitted, 7.5 GB/s puts the
+    /// 2-rank one-shot's crossover at 3 KB, where the measured one lies (2 KiB: LL 0.70
+    /// µs, Simple 0.75; 4 KiB: 1.04 against 0.95; it was ~2 GB/s with a flag in every
+    /// 8-byte line); single copy between processes hands off in 2.3 µs (a descriptor,
+    /// then a system call) and moves 4.9 GB/s (2026-11-25: the kernel's cross-memory
+    /// copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on this machine it loses to
+    /// two copies through a cache-resident FIFO and the model never picks it unless
+    /// told to); loopback TCP through the proxies takes ~30 µs a step and ~1.6 GB/s.
     fn default() -> Self {
         CostModel {
             local: LinkCost::new(1.0, 10.0),
