@@ -9,8 +9,22 @@
 //! (destroy, abort, or failure) tell everyone waiting on it, and why. The `waiting_on`
 //! and `wakes` words let a rank that timed out follow the chain of waits to the rank
 //! that stalls it ([`super::Connections::stalled_rank`]).
+//!
+//! Ringing and going to sleep are a Dekker pair: the ringer publishes its slot, then
+//! reads `sleeping`; the sleeper raises `sleeping`, then looks at its FIFOs once more.
+//! Each side needs a full barrier between its store and its load, or both may miss
+//! the other. The ringer rings after every slice, the sleeper sleeps rarely, so the
+//! barrier is made asymmetric where Linux allows it: the ringer orders only the
+//! compiler, and the sleeper makes every thread of every ferroccl process pass a full
+//! barrier with `membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)` before its last look
+//! (the pattern of userspace RCU and folly's `asymmetricHeavyBarrier`). A ringer's
+//! fence waits for its slot's store to leave the core, which is the cross-core
+//! hand-off itself: measured, 2 ranks, 8 B all-reduce, 0.72 → 0.66 µs (far placement)
+//! without it. Where `membarrier` is refused (old kernel, seccomp), the bell's
+//! `heavy_sleeper` word stays 0 and ringers keep the fence.
 
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering, compiler_fence, fence};
 use std::time::Duration;
 
 use super::segment::Segment;
@@ -32,11 +46,18 @@ pub enum Closed {
 /// A view of one rank's control block.
 pub struct Bell {
     seg: Segment,
+    /// Whether [`Bell::ring`] may skip its fence: the bell's sleeper issues the heavy
+    /// barrier, and this process is registered to receive it.
+    light_ring: bool,
 }
 
 // Offsets of the words, one cache line apart.
 const SEQ: usize = 0;
 const SLEEPING: usize = 64;
+/// 1 when the bell's sleeper issues the heavy barrier before its last look (written by
+/// [`Bell::create`], before any peer opens the bell). In `sleeping`'s line, which every
+/// ring reads anyway.
+const HEAVY_SLEEPER: usize = SLEEPING + 4;
 const CLOSED: usize = 128;
 const CAUSE: usize = 192;
 /// How many peers the owner waits on, then their ranks (at most [`MAX_WAITING_ON`]),
@@ -49,10 +70,30 @@ pub const MAX_WAITING_ON: usize = 8;
 const WAKES: usize = 320;
 
 impl Bell {
-    /// Wraps a segment of at least [`BELL_BYTES`] bytes (zeroed by its creator).
+    /// Formats a new, zeroed segment of at least [`BELL_BYTES`] bytes as the bell this
+    /// process's ranks (or proxies) sleep on.
+    pub fn create(seg: Segment) -> Self {
+        let bell = Bell::new(seg);
+        if heavy_barrier_registered() {
+            bell.word(HEAVY_SLEEPER).store(1, Ordering::SeqCst);
+        }
+        Bell::new(bell.seg)
+    }
+
+    /// Wraps a segment of at least [`BELL_BYTES`] bytes that [`Bell::create`] formatted.
     pub fn new(seg: Segment) -> Self {
         assert!(seg.len() >= BELL_BYTES);
-        Bell { seg }
+        let mut bell = Bell {
+            seg,
+            light_ring: false,
+        };
+        bell.light_ring = bell.heavy_sleeper() && heavy_barrier_registered();
+        bell
+    }
+
+    /// Whether the bell's sleeper issues the heavy barrier before its last look.
+    fn heavy_sleeper(&self) -> bool {
+        self.word(HEAVY_SLEEPER).load(Ordering::SeqCst) != 0
     }
 
     fn word(&self, offset: usize) -> &AtomicU32 {
@@ -65,9 +106,15 @@ impl Bell {
     /// Called by a peer after it made progress possible for this bell's owner: wakes
     /// the owner if it is asleep or about to sleep.
     pub fn ring(&self) {
-        // Pairs with the fence in `prepare_sleep`: either the owner sees our update to
-        // the FIFO, or we see its `sleeping` flag.
-        fence(Ordering::SeqCst);
+        // Pairs with the barrier in `prepare_sleep`: either the owner sees our update to
+        // the FIFO, or we see its `sleeping` flag. With a heavy sleeper, its membarrier
+        // puts this thread's store and load on one side of a full barrier, so only the
+        // compiler must keep them in order here.
+        if self.light_ring {
+            compiler_fence(Ordering::SeqCst);
+        } else {
+            fence(Ordering::SeqCst);
+        }
         if self.word(SLEEPING).load(Ordering::Relaxed) != 0 {
             self.word(SEQ).fetch_add(1, Ordering::SeqCst);
             futex_wake(self.word(SEQ));
@@ -87,6 +134,9 @@ impl Bell {
         let seq = self.word(SEQ).load(Ordering::SeqCst);
         self.word(SLEEPING).fetch_add(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
+        if self.heavy_sleeper() {
+            heavy_barrier();
+        }
         seq
     }
 
@@ -169,6 +219,70 @@ impl Bell {
     }
 }
 
+/// `membarrier(2)` commands (linux/membarrier.h).
+const MEMBARRIER_CMD_QUERY: libc::c_long = 0;
+const MEMBARRIER_CMD_GLOBAL_EXPEDITED: libc::c_long = 1 << 1;
+const MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED: libc::c_long = 1 << 2;
+
+/// Whether this process is registered for the heavy barrier (registers it on the first
+/// call; a process forked afterwards registers itself anew).
+fn heavy_barrier_registered() -> bool {
+    // The process that registered, and whether it could.
+    static REGISTERED: Mutex<Option<(u32, bool)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut state = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+    match *state {
+        Some((registered_pid, ok)) if registered_pid == pid => ok,
+        _ => {
+            let ok = register_heavy_barrier();
+            *state = Some((pid, ok));
+            ok
+        }
+    }
+}
+
+/// Asks the kernel for `MEMBARRIER_CMD_GLOBAL_EXPEDITED` on this process.
+fn register_heavy_barrier() -> bool {
+    let membarrier = |cmd: libc::c_long| {
+        // SAFETY: membarrier takes a command and two integer arguments (flags, cpu id)
+        // and touches no memory of ours.
+        unsafe {
+            libc::syscall(
+                libc::SYS_membarrier,
+                cmd,
+                0 as libc::c_long,
+                0 as libc::c_long,
+            )
+        }
+    };
+    let supported = membarrier(MEMBARRIER_CMD_QUERY);
+    let ok = supported >= 0
+        && supported & MEMBARRIER_CMD_GLOBAL_EXPEDITED != 0
+        && membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0;
+    if !ok {
+        tracing::debug!(
+            "membarrier(GLOBAL_EXPEDITED) unavailable ({}): every doorbell ring fences",
+            std::io::Error::last_os_error()
+        );
+    }
+    ok
+}
+
+/// A full memory barrier on every running thread of every registered process.
+fn heavy_barrier() {
+    // SAFETY: as in `register_heavy_barrier`. It cannot fail once registered; if it
+    // did, a ringer could miss this sleep and wake it only at the end of its nap.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_membarrier,
+            MEMBARRIER_CMD_GLOBAL_EXPEDITED,
+            0 as libc::c_long,
+            0 as libc::c_long,
+        )
+    };
+    debug_assert_eq!(r, 0, "membarrier(GLOBAL_EXPEDITED) after registering");
+}
+
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
@@ -207,7 +321,8 @@ mod tests {
     #[test]
     fn a_sleeper_is_woken_by_a_ring_and_sees_closure() {
         let name = format!("ferroccl-test-bell-{}", std::process::id());
-        let owner = Bell::new(Segment::create(SegmentKind::InProcess, &name, BELL_BYTES).unwrap());
+        let owner =
+            Bell::create(Segment::create(SegmentKind::InProcess, &name, BELL_BYTES).unwrap());
         let peer = Bell::new(Segment::open(SegmentKind::InProcess, &name, BELL_BYTES).unwrap());
         Segment::unlink(SegmentKind::InProcess, &name);
         let t = std::thread::spawn(move || {
@@ -232,5 +347,76 @@ mod tests {
         let seq = owner.prepare_sleep();
         owner.sleep(seq, Duration::from_millis(100));
         assert!(start.elapsed() >= Duration::from_millis(90));
+    }
+
+    /// A bell's owner view and a peer's view of it, in process memory.
+    fn bell_pair(tag: &str) -> (Bell, Bell) {
+        let name = format!("ferroccl-test-bell-{tag}-{}", std::process::id());
+        let owner =
+            Bell::create(Segment::create(SegmentKind::InProcess, &name, BELL_BYTES).unwrap());
+        let peer = Bell::new(Segment::open(SegmentKind::InProcess, &name, BELL_BYTES).unwrap());
+        Segment::unlink(SegmentKind::InProcess, &name);
+        (owner, peer)
+    }
+
+    /// Two threads pass a turn back and forth 10 000 times, each sleeping on its bell at
+    /// every wait (never spinning), so every hand-off runs the ring/sleep race. A lost
+    /// wake-up shows as a wait that lasts the whole nap. Run with light rings (the
+    /// sleeper's membarrier, where this kernel has it) and with fenced ones. The race a
+    /// missing barrier opens is nanoseconds wide: this catches a ring that does not
+    /// wake, or a sleeper that sleeps through one, not every missing barrier (with the
+    /// membarrier taken out it still passed 3 runs of 50 000 rounds).
+    #[test]
+    fn no_wake_up_is_lost_between_ringing_and_sleeping() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicU64;
+        const ROUNDS: u64 = 10_000;
+        const NAP: Duration = Duration::from_secs(2);
+        for light in [true, false] {
+            let ((own_a, mut ring_a), (own_b, mut ring_b)) = (bell_pair("a"), bell_pair("b"));
+            if !light {
+                (ring_a.light_ring, ring_b.light_ring) = (false, false);
+            }
+            let turn = Arc::new(AtomicU64::new(0));
+            // Player `me` moves when the turn's parity is `me`, then rings the other.
+            let play = move |me: u64, own: Bell, other: Bell, turn: Arc<AtomicU64>| {
+                let mut longest = Duration::ZERO;
+                for _ in 0..ROUNDS {
+                    let start = Instant::now();
+                    loop {
+                        if turn.load(Ordering::Relaxed) % 2 == me {
+                            break;
+                        }
+                        let seq = own.prepare_sleep();
+                        if turn.load(Ordering::Relaxed) % 2 == me {
+                            own.cancel_sleep();
+                            break;
+                        }
+                        own.sleep(seq, NAP);
+                    }
+                    longest = longest.max(start.elapsed());
+                    // A plain store, as a FIFO publishes a slot (a read-modify-write
+                    // would fence by itself on x86 and hide a missing barrier).
+                    let next = turn.load(Ordering::Relaxed) + 1;
+                    turn.store(next, Ordering::Release);
+                    other.ring();
+                }
+                longest
+            };
+            let t = {
+                let turn = turn.clone();
+                std::thread::spawn(move || play(1, own_b, ring_a, turn))
+            };
+            let longest_a = play(0, own_a, ring_b, turn.clone());
+            let longest_b = t.join().unwrap();
+            assert_eq!(turn.load(Ordering::Relaxed), 2 * ROUNDS);
+            for longest in [longest_a, longest_b] {
+                assert!(
+                    longest < NAP,
+                    "light rings {light}: a wait lasted its whole nap ({longest:?}): a \
+                     ring was lost"
+                );
+            }
+        }
     }
 }

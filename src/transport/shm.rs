@@ -76,7 +76,7 @@ impl SharedMemory {
         let rank = routes.rank;
         let (kind, name) = (routes.bell_kind(rank), routes.bell_name(rank));
         let mut created = CreatedNames(Vec::new());
-        let bell = Bell::new(Segment::create(kind, &name, BELL_BYTES)?);
+        let bell = Bell::create(Segment::create(kind, &name, BELL_BYTES)?);
         created.0.push((kind, name.clone()));
         let own_bell = Arc::new(Bell::new(Segment::open(kind, &name, BELL_BYTES)?));
         for (g, ci, from) in receives {

@@ -305,7 +305,7 @@ fn private_bell(tag: &str) -> Result<Bell> {
     );
     let seg = Segment::create(SegmentKind::InProcess, &name, BELL_BYTES)?;
     Segment::unlink(SegmentKind::InProcess, &name);
-    Ok(Bell::new(seg))
+    Ok(Bell::create(seg))
 }
 
 /// Two ends of one local FIFO (for the network transports' proxies).
