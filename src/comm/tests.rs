@@ -93,9 +93,9 @@ fn group_send_recv_in_both_directions_cannot_deadlock() {
 
 #[test]
 fn grouped_and_lone_sends_and_receives_agree_on_each_protocol() {
-    // Rank 0 groups a small send (LL on its own) with a large receive (Simple); its
-    // peers make the matching calls alone. Each operation keeps its own protocol, so
-    // both ends of every FIFO agree.
+    // Rank 0 groups a small send (LL on its own) with a large receive (single copy
+    // between threads of one process); its peers make the matching calls alone. Each
+    // operation keeps its own protocol, so both ends of every FIFO agree.
     let cs = comms(3);
     let (small, large) = (2usize, 100_000usize);
     assert_eq!(
@@ -108,7 +108,7 @@ fn grouped_and_lone_sends_and_receives_agree_on_each_protocol() {
         cs[0]
             .choice_for(Collective::Recv { peer: 2 }, large * 4)
             .protocol,
-        Protocol::Simple
+        Protocol::SingleCopy
     );
     let out = on_all(&cs, |c| match c.rank() {
         0 => {

@@ -266,8 +266,14 @@ unsafe fn receive(
         ));
     };
     let pre = d.flags & NEEDS_PRE != 0;
+    // From a thread of this process whose contribution needs no pre-operation, the
+    // step works straight from its region, in pieces as the slice code expects (a copy
+    // then streams into a large output as the FIFO path does); from another process a
+    // copy is read whole into its destination, and a reduction's pieces are read into
+    // the staging buffer first (and pre-processed there).
+    let direct = memory.in_process(from, d.addr).filter(|_| !pre);
     let read = match *step {
-        Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } => {
+        Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } if direct.is_none() => {
             // SAFETY (block): `dst` is `bytes` writable bytes by contract; the peer keeps
             // its region until this rank releases the descriptor (or fails: below).
             unsafe {
@@ -279,31 +285,47 @@ unsafe fn receive(
                 })
             }
         }
-        Step::RecvReduceCopy { .. } | Step::RecvReduceCopySend { .. } => {
+        Step::Recv { .. }
+        | Step::RecvCopySend { .. }
+        | Step::RecvReduceCopy { .. }
+        | Step::RecvReduceCopySend { .. } => {
             let per_piece = (stage_bytes / elem).max(1);
             let mut done = 0;
             let mut read = Ok(());
             while done < len && read.is_ok() {
                 let n = per_piece.min(len - done);
                 let at = d.addr + (done * elem) as u64;
-                // SAFETY (block): the staging buffer holds `stage_bytes` ≥ n·elem bytes
-                // and overlaps no user buffer; regions in bounds by contract.
-                read = unsafe { memory.read(from, at, stage, n * elem) }.inspect(|()| unsafe {
-                    if pre {
-                        op.kernel.pre(stage, stage, n);
+                let inbound = match direct {
+                    // SAFETY: inside the peer's region of `bytes` bytes, which it keeps
+                    // unwritten until this rank releases the descriptor.
+                    Some(region) => Ok(unsafe { region.add(done * elem) }),
+                    // SAFETY: the staging buffer holds `stage_bytes` ≥ n·elem bytes and
+                    // overlaps no user buffer.
+                    None => unsafe { memory.read(from, at, stage, n * elem) }.map(|()| {
+                        if pre {
+                            // SAFETY: the n elements just read; `pre` works in place.
+                            unsafe { op.kernel.pre(stage, stage, n) };
+                        }
+                        stage as *const u8
+                    }),
+                };
+                read = inbound.map(|inbound| {
+                    // SAFETY: `inbound` holds the piece's n elements; regions in bounds
+                    // by contract.
+                    unsafe {
+                        move_slice(
+                            step,
+                            ops,
+                            op,
+                            done,
+                            n,
+                            SliceSlots {
+                                inbound: Some(inbound),
+                                outbound: None,
+                                far: false,
+                            },
+                        )
                     }
-                    move_slice(
-                        step,
-                        ops,
-                        op,
-                        done,
-                        n,
-                        SliceSlots {
-                            inbound: Some(stage),
-                            outbound: None,
-                            far: false,
-                        },
-                    );
                 });
                 done += n;
             }

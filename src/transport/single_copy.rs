@@ -97,6 +97,17 @@ pub struct PeerMemory {
 }
 
 impl PeerMemory {
+    /// Whether every rank is a thread of this process (the same on every rank).
+    pub fn all_in_process(&self) -> bool {
+        self.pids.iter().all(|&p| p == self.own_pid)
+    }
+
+    /// `addr` in rank `peer`'s memory as a pointer this rank may read through, when
+    /// `peer` is a thread of this process (no copy needed); `None` for another process.
+    pub fn in_process(&self, peer: usize, addr: u64) -> Option<*const u8> {
+        (self.pids[peer] == self.own_pid).then_some(addr as *const u8)
+    }
+
     /// Copies `len` bytes at `addr` in rank `peer`'s memory to `dst`; on failure, what
     /// happened (for [`CallInfo::peer_failed`](crate::error::CallInfo::peer_failed)).
     ///
