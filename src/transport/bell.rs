@@ -369,23 +369,30 @@ mod tests {
     #[test]
     fn no_wake_up_is_lost_between_ringing_and_sleeping() {
         use std::sync::Arc;
-        use std::sync::atomic::AtomicU64;
+        use std::sync::atomic::{AtomicBool, AtomicU64};
         const ROUNDS: u64 = 10_000;
-        const NAP: Duration = Duration::from_secs(2);
+        // Long enough that no busy machine stalls a thread for as long (a lost wake-up
+        // waits exactly this); the first such wait ends the game.
+        const NAP: Duration = Duration::from_secs(10);
         for light in [true, false] {
             let ((own_a, mut ring_a), (own_b, mut ring_b)) = (bell_pair("a"), bell_pair("b"));
             if !light {
                 (ring_a.light_ring, ring_b.light_ring) = (false, false);
             }
             let turn = Arc::new(AtomicU64::new(0));
-            // Player `me` moves when the turn's parity is `me`, then rings the other.
-            let play = move |me: u64, own: Bell, other: Bell, turn: Arc<AtomicU64>| {
-                let mut longest = Duration::ZERO;
+            let over = Arc::new(AtomicBool::new(false));
+            // Player `me` moves when the turn's parity is `me`, then rings the other;
+            // returns the first wait that lasted its whole nap, if any.
+            let play = move |me: u64,
+                             own: Bell,
+                             other: Bell,
+                             turn: Arc<AtomicU64>,
+                             over: Arc<AtomicBool>| {
                 for _ in 0..ROUNDS {
                     let start = Instant::now();
-                    loop {
-                        if turn.load(Ordering::Relaxed) % 2 == me {
-                            break;
+                    while turn.load(Ordering::Relaxed) % 2 != me {
+                        if over.load(Ordering::Relaxed) {
+                            return None;
                         }
                         let seq = own.prepare_sleep();
                         if turn.load(Ordering::Relaxed) % 2 == me {
@@ -394,29 +401,31 @@ mod tests {
                         }
                         own.sleep(seq, NAP);
                     }
-                    longest = longest.max(start.elapsed());
+                    if start.elapsed() >= NAP {
+                        over.store(true, Ordering::Relaxed);
+                        other.ring_always();
+                        return Some(start.elapsed());
+                    }
                     // A plain store, as a FIFO publishes a slot (a read-modify-write
                     // would fence by itself on x86 and hide a missing barrier).
                     let next = turn.load(Ordering::Relaxed) + 1;
                     turn.store(next, Ordering::Release);
                     other.ring();
                 }
-                longest
+                None
             };
             let t = {
-                let turn = turn.clone();
-                std::thread::spawn(move || play(1, own_b, ring_a, turn))
+                let (turn, over) = (turn.clone(), over.clone());
+                std::thread::spawn(move || play(1, own_b, ring_a, turn, over))
             };
-            let longest_a = play(0, own_a, ring_b, turn.clone());
-            let longest_b = t.join().unwrap();
-            assert_eq!(turn.load(Ordering::Relaxed), 2 * ROUNDS);
-            for longest in [longest_a, longest_b] {
-                assert!(
-                    longest < NAP,
-                    "light rings {light}: a wait lasted its whole nap ({longest:?}): a \
-                     ring was lost"
+            let lost_a = play(0, own_a, ring_b, turn.clone(), over);
+            let lost_b = t.join().unwrap();
+            if let Some(waited) = lost_a.or(lost_b) {
+                panic!(
+                    "light rings {light}: a wait lasted its whole nap ({waited:?}): a ring was lost"
                 );
             }
+            assert_eq!(turn.load(Ordering::Relaxed), 2 * ROUNDS);
         }
     }
 }
