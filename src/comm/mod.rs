@@ -389,10 +389,11 @@ impl Communicator {
             model.net = crate::tune::LinkCost::rdma(gbps);
         }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
-        let single_copy = conns.peer_memory().is_ok();
+        let memory = conns.peer_memory();
+        let single_copy = memory.is_ok();
         // Between threads of one process, single copy is a pointer read (unless the
         // agreed model was tuned: every rank sees the same model and the same pids).
-        if conns.peer_memory().is_ok_and(|m| m.all_in_process())
+        if memory.is_ok_and(|m| m.all_in_process())
             && model.local_single.about(CostModel::default().local_single)
         {
             model.local_single = crate::tune::LinkCost::IN_PROCESS_SINGLE;

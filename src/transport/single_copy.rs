@@ -122,12 +122,12 @@ impl PeerMemory {
         dst: *mut u8,
         len: usize,
     ) -> std::result::Result<(), String> {
-        let pid = self.pids[peer];
-        if pid == self.own_pid {
+        if let Some(src) = self.in_process(peer, addr) {
             // SAFETY: by this function's contract.
-            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, dst, len) };
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
             return Ok(());
         }
+        let pid = self.pids[peer];
         let mut done = 0usize;
         while done < len {
             let local = libc::iovec {
