@@ -143,8 +143,9 @@ typedef enum {
 
 /* Every function has a pncclX twin (NCCL's profiling interface) that does the same. */
 
-/* Memory. On host communicators ncclMemAlloc returns page-aligned host memory, to be
- * released with ncclMemFree. */
+/* Memory. Where no CUDA context is current, ncclMemAlloc returns page-aligned shared
+ * host memory (a memfd), which ncclCommWindowRegister can make a window of; released
+ * with ncclMemFree. */
 ncclResult_t ncclMemAlloc(void** ptr, size_t size);
 ncclResult_t pncclMemAlloc(void** ptr, size_t size);
 ncclResult_t ncclMemFree(void* ptr);
@@ -218,6 +219,19 @@ ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, vo
 ncclResult_t pncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle);
 ncclResult_t ncclCommDeregister(const ncclComm_t comm, void* handle);
 ncclResult_t pncclCommDeregister(const ncclComm_t comm, void* handle);
+
+/* Windows (collective, as NCCL 2.27's): on host memory, buff must lie in memory from
+ * ncclMemAlloc; peers in other processes of the host then read it in place. winFlags:
+ * NCCL_WIN_DEFAULT or NCCL_WIN_COLL_SYMMETRIC (the same on host memory). */
+typedef struct ncclWindow_vidmem* ncclWindow_t;
+#define NCCL_WIN_DEFAULT 0x00
+#define NCCL_WIN_COLL_SYMMETRIC 0x01
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win,
+                                    int winFlags);
+ncclResult_t pncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size,
+                                     ncclWindow_t* win, int winFlags);
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
+ncclResult_t pncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
 
 /* A sum of inputs each multiplied by *scalar (of type datatype) first. */
 ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t datatype,

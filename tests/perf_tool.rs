@@ -169,6 +169,33 @@ fn output_has_nccl_tests_columns_and_footer() {
     );
 }
 
+/// `-R 2`: buffers in windows. Between processes a large all-reduce then reads peers'
+/// windows in place (single copy), and without windows keeps the FIFOs; results are
+/// checked either way.
+#[test]
+fn windows_move_large_calls_between_processes_to_single_copy() {
+    for (flag, want) in [("-R 2", "/SingleCopy/"), ("-R 0", "/Simple/")] {
+        let out = run(
+            "all_reduce_perf",
+            &format!("-np 2 {flag} -b 8 -e 8M -f 1024 -n 2 -w 1"),
+        );
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+        let rows = rows(&stdout);
+        // 8 B, 8 KiB, 8 MiB.
+        assert_eq!(rows.len(), 3, "{stdout}");
+        assert!(rows.iter().all(|r| r[8] == "0" && r[12] == "0"), "{stdout}");
+        assert!(rows[2][13].contains(want), "{flag}: {stdout}");
+    }
+    let out = run("all_reduce_perf", "-t 2 -R 3");
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("-R 3: 0 (plain)"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn bus_bandwidth_factors_per_collective() {
     let dir = tempfile::tempdir().unwrap();

@@ -14,14 +14,18 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, ExitCode};
 use std::time::{Duration, Instant};
 
-use common::{collectives, ops, run_and_check};
+use common::{collectives, ops, run_and_check_in};
 use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
+use ferroccl::transport::window::SharedMemory;
 use ferroccl::{Communicator, DataType, ReduceOp};
 use ranks::{PlainTest, TestFn, rank_command, run_tests, shm_left_by, wait_all};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
+/// Bytes of the window that holds every buffer of a rank with `Net::ShmWindows` (the
+/// grid's largest calls, and the loop's two buffers of 16 MiB each).
+const ARENA_BYTES: usize = 32 << 20;
 /// Exit code of a surviving rank that reported the failure of a peer.
 const SAW_FAILURE: i32 = 3;
 
@@ -29,10 +33,13 @@ fn main() -> ExitCode {
     if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
         return ExitCode::from(child(&role));
     }
-    let tests: [(&str, PlainTest); 13] = [
+    let tests: [(&str, PlainTest); 15] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
         ("grid_on_three_processes_with_single_copy_forced", || {
             grid_on_processes(3, Net::ShmSingleCopy)
+        }),
+        ("grid_on_three_processes_reading_windows_in_place", || {
+            grid_on_processes(3, Net::ShmWindows)
         }),
         (
             "grid_on_two_processes_with_single_copy_refused_by_the_kernel",
@@ -65,6 +72,9 @@ fn main() -> ExitCode {
         }),
         ("killed_rank_is_named_while_its_buffer_is_read", || {
             killed_rank_is_named(Net::ShmSingleCopy)
+        }),
+        ("killed_rank_is_named_while_its_window_is_read", || {
+            killed_rank_is_named(Net::ShmWindows)
         }),
     ];
     run_tests(
@@ -108,6 +118,10 @@ enum Net {
     /// One host, every call that can with single copy (`FERROCCL_PROTO=SingleCopy`):
     /// ranks read each other's buffers with `process_vm_readv`.
     ShmSingleCopy,
+    /// As `ShmSingleCopy`, with every buffer in a window each rank registered: once
+    /// the window is registered the kernel refuses every rank's `process_vm_readv`, so
+    /// every read goes through the mapped windows.
+    ShmWindows,
     /// As `ShmSingleCopy`, but the kernel refuses rank 1's cross-memory reads (a
     /// seccomp filter, as a container's profile would): every rank falls back to the
     /// FIFOs, and says why.
@@ -139,15 +153,25 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 cmd.env("FERROCCL_PROTO", "LL")
                     .env("FERROCCL_DEBUG", "INFO");
             }
-            if matches!(net, Net::ShmSingleCopy | Net::ShmSingleCopyRefused) {
+            if matches!(
+                net,
+                Net::ShmSingleCopy | Net::ShmSingleCopyRefused | Net::ShmWindows
+            ) {
                 cmd.env("FERROCCL_PROTO", "SingleCopy")
                     .env("FERROCCL_DEBUG", "INFO");
+            }
+            if net == Net::ShmWindows {
+                cmd.env("FERROCCL_TEST_WINDOWS", "1");
             }
             if net == Net::ShmSingleCopyRefused && rank == 1 {
                 cmd.env("FERROCCL_TEST_REFUSE_CMA", "1");
             }
             match net {
-                Net::Shm | Net::ShmLL | Net::ShmSingleCopy | Net::ShmSingleCopyRefused => {}
+                Net::Shm
+                | Net::ShmLL
+                | Net::ShmSingleCopy
+                | Net::ShmSingleCopyRefused
+                | Net::ShmWindows => {}
                 Net::TwoHosts | Net::TwoHostsLL => {
                     cmd.env("FERROCCL_HOSTID", format!("host{}", rank * 2 / n));
                 }
@@ -176,7 +200,7 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
 }
 
 fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
-    let role = if matches!(net, Net::Shm | Net::ShmSingleCopy) {
+    let role = if matches!(net, Net::Shm | Net::ShmSingleCopy | Net::ShmWindows) {
         "grid"
     } else {
         "small-grid"
@@ -214,6 +238,15 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
             Net::ShmSingleCopy => (
                 &[
                     "single copy available",
+                    "all_reduce of 262148 B uses twoshot/SingleCopy",
+                    "all_gather of 4 B uses oneshot/SingleCopy",
+                ],
+                "single copy off",
+            ),
+            Net::ShmWindows => (
+                &[
+                    "single copy available",
+                    "window 0 of 33554432 bytes",
                     "all_reduce of 262148 B uses twoshot/SingleCopy",
                     "all_gather of 4 B uses oneshot/SingleCopy",
                 ],
@@ -359,6 +392,16 @@ fn child(role: &str) -> u8 {
             return 1;
         }
     };
+    // Every buffer in one window; past its registration, no cross-memory reads.
+    let mut arena = std::env::var_os("FERROCCL_TEST_WINDOWS").map(|_| {
+        let arena = SharedMemory::new(ARENA_BYTES).unwrap();
+        // SAFETY: the arena lives until the process exits, and only this
+        // communicator's calls read it.
+        let window = unsafe { comm.register_window(arena.as_ptr(), arena.len()) }.unwrap();
+        std::mem::forget(window);
+        refuse_cross_memory_reads();
+        arena
+    });
     match role {
         "grid" | "small-grid" => {
             // Over TCP every call costs a round of proxy hand-offs: the small grid keeps
@@ -391,7 +434,7 @@ fn child(role: &str) -> u8 {
                                 if in_place && c == Collective::AllToAll {
                                     continue;
                                 }
-                                let r = ferroccl::with_element_type!(dtype, T => run_and_check::<T>(&comm, c, op, count, in_place));
+                                let r = ferroccl::with_element_type!(dtype, T => run_and_check_in::<T>(&comm, c, op, count, in_place, arena.as_mut()));
                                 if let Err(e) = r {
                                     eprintln!("{e}");
                                     return 1;
@@ -406,11 +449,20 @@ fn child(role: &str) -> u8 {
             0
         }
         "loop" => {
-            let send = vec![1.0f32; 4 << 20];
-            let mut recv = vec![0.0f32; 4 << 20];
+            const LEN: usize = 4 << 20;
+            let mut heap = vec![0.0f32; 2 * LEN];
+            let both: &mut [f32] = match arena.as_mut() {
+                // SAFETY: the arena holds 2 * LEN floats (ARENA_BYTES), page-aligned.
+                Some(a) => unsafe {
+                    std::slice::from_raw_parts_mut(a.as_ptr().cast::<f32>(), 2 * LEN)
+                },
+                None => &mut heap,
+            };
+            let (send, recv) = both.split_at_mut(LEN);
+            send.fill(1.0);
             let mut announced = false;
             loop {
-                if let Err(e) = comm.all_reduce(&send, &mut recv, ReduceOp::Sum) {
+                if let Err(e) = comm.all_reduce(send, recv, ReduceOp::Sum) {
                     eprintln!("{e}");
                     return SAW_FAILURE as u8;
                 }

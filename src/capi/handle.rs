@@ -49,6 +49,8 @@ pub struct CommHandle {
     pub user_ops: Mutex<Vec<Option<UserOp>>>,
     /// Live registrations (`ncclCommRegister`), by the handle C got.
     pub registrations: Mutex<HashMap<usize, crate::transport::Registration>>,
+    /// Live windows (`ncclCommWindowRegister`), by the handle C got.
+    pub windows: Mutex<HashMap<usize, crate::transport::window::Window>>,
 }
 
 fn registry() -> &'static Mutex<HashMap<usize, Arc<CommHandle>>> {
@@ -71,6 +73,7 @@ impl CommHandle {
             nranks,
             user_ops: Mutex::new(Vec::new()),
             registrations: Mutex::new(HashMap::new()),
+            windows: Mutex::new(HashMap::new()),
         });
         let ptr = Arc::as_ptr(&h) as *mut c_void;
         lock(registry()).insert(ptr as usize, h.clone());

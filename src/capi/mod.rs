@@ -310,10 +310,11 @@ fn rank_arg(value: c_int, nranks: usize, what: &str) -> Result<usize, Failure> {
 
 /// One `ncclMemAlloc` allocation.
 enum Allocation {
-    /// Host memory (no CUDA context was current).
-    Host(std::alloc::Layout),
+    /// Shared host memory (no CUDA context was current), which windows can be made of
+    /// (unmapped on drop, unless a window still holds it).
+    Host(#[allow(dead_code)] crate::transport::window::SharedMemory),
     /// Device memory of the context that was current (freed on drop).
-    Device(cuda::DeviceBuffer),
+    Device(#[allow(dead_code)] cuda::DeviceBuffer),
 }
 
 /// `ncclMemAlloc` allocations: address → allocation.
@@ -837,8 +838,69 @@ nccl_api! {
         })
     }
 
+    /// `ncclCommWindowRegister`: makes a window of `size` bytes at `buff` (collective):
+    /// on host memory they must lie in one `ncclMemAlloc` allocation, which peers in
+    /// other processes then map and read in place.
+    fn ncclCommWindowRegister / pncclCommWindowRegister(
+        comm: *mut c_void,
+        buff: *mut c_void,
+        size: usize,
+        win: *mut *mut c_void,
+        win_flags: c_int,
+    ) -> c_int {
+        api("ncclCommWindowRegister", || {
+            let handle = CommHandle::find(comm)?;
+            if win.is_null() {
+                return Err(invalid("win is NULL"));
+            }
+            if buff.is_null() {
+                return Err(invalid(format!("buff is NULL for {size} bytes")));
+            }
+            if !matches!(win_flags, 0 | 1) {
+                return Err(invalid(format!(
+                    "winFlags {win_flags:#x}: NCCL_WIN_DEFAULT (0) or NCCL_WIN_COLL_SYMMETRIC (1)"
+                )));
+            }
+            if group::in_group() {
+                return Err(Failure::new(
+                    INVALID_USAGE,
+                    "ncclCommWindowRegister inside ncclGroupStart/ncclGroupEnd is not \
+                     supported: every rank registers at once, outside a group",
+                ));
+            }
+            // SAFETY: NCCL's contract: the buffer stays allocated until
+            // ncclCommWindowDeregister (the window keeps host memory mapped regardless).
+            let window = unsafe { handle.communicator()?.register_window(buff.cast(), size) }
+                .map_err(|e| Failure::from_error(&e))?;
+            let token = window.token as usize;
+            lock(&handle.windows).insert(token, window);
+            // SAFETY: non-NULL, the caller's ncclWindow_t.
+            unsafe { *win = token as *mut c_void };
+            Ok(SUCCESS)
+        })
+    }
+
+    /// `ncclCommWindowDeregister`: ends a window of this communicator (collective).
+    fn ncclCommWindowDeregister / pncclCommWindowDeregister(
+        comm: *mut c_void,
+        win: *mut c_void,
+    ) -> c_int {
+        api("ncclCommWindowDeregister", || {
+            let handle = CommHandle::find(comm)?;
+            let window = lock(&handle.windows).remove(&(win as usize)).ok_or_else(|| {
+                invalid(format!("window {win:?} is not a window of this communicator"))
+            })?;
+            handle
+                .communicator()?
+                .deregister_window(window)
+                .map_err(|e| Failure::from_error(&e))?;
+            Ok(SUCCESS)
+        })
+    }
+
     /// `ncclMemAlloc`: zeroed device memory on the current CUDA context's GPU, as NCCL
-    /// allocates it; page-aligned host memory where no context is current (host ranks).
+    /// allocates it; shared host memory (a `memfd`) where no context is current (host
+    /// ranks), which windows can be made of.
     fn ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> c_int {
         api("ncclMemAlloc", || {
             if ptr.is_null() {
@@ -851,14 +913,10 @@ nccl_api! {
                 unsafe { *ptr = p };
                 return Ok(SUCCESS);
             }
-            let layout = std::alloc::Layout::from_size_align(size.max(1), 4096)
-                .map_err(|_| invalid(format!("size {size} is too large")))?;
-            // SAFETY: the layout has a non-zero size.
-            let p = unsafe { std::alloc::alloc_zeroed(layout) };
-            if p.is_null() {
-                return Err(Failure::new(SYSTEM_ERROR, format!("out of memory for {size} bytes")));
-            }
-            lock(allocations()).insert(p as usize, Allocation::Host(layout));
+            let memory = crate::transport::window::SharedMemory::new(size)
+                .map_err(|e| Failure::new(SYSTEM_ERROR, e.to_string()))?;
+            let p = memory.as_ptr();
+            lock(allocations()).insert(p as usize, Allocation::Host(memory));
             // SAFETY: non-NULL, the caller's void*.
             unsafe { *ptr = p as *mut c_void };
             Ok(SUCCESS)
@@ -874,12 +932,8 @@ nccl_api! {
             let allocation = lock(allocations()).remove(&(ptr as usize)).ok_or_else(|| {
                 invalid(format!("{ptr:?} was not allocated by ncclMemAlloc (or is freed)"))
             })?;
-            match allocation {
-                // SAFETY: allocated by ncclMemAlloc with this layout, and removed from the
-                // map so it is freed once.
-                Allocation::Host(layout) => unsafe { std::alloc::dealloc(ptr as *mut u8, layout) },
-                Allocation::Device(buffer) => drop(buffer),
-            }
+            // Host memory stays mapped while a window of it is registered.
+            drop(allocation);
             Ok(SUCCESS)
         })
     }

@@ -20,7 +20,9 @@ mod device;
 pub mod device_tuning;
 mod planning;
 mod typed;
+mod window;
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -72,6 +74,9 @@ pub struct Communicator {
     /// How host calls are planned (rank 0's cost model: every rank uses the same one, so
     /// choices agree).
     planner: Planner,
+    /// How host calls are planned while windows are registered, when that differs: ranks
+    /// of other processes then read each other's windows in place, as threads do.
+    windowed_planner: Option<Planner>,
     /// How calls on device memory are planned (agreed at initialisation).
     device_planner: Planner,
     /// What the device planner was made from.
@@ -109,6 +114,11 @@ struct State {
     scratch: Vec<u64>,
     /// The device side, made by the first call on device memory.
     device: Option<crate::engine::device::Launcher>,
+    /// Live windows: each one's token (unique in this process) and number (the same
+    /// on every rank).
+    windows: HashMap<u64, u64>,
+    /// Windows registered so far (the next one's number).
+    windows_made: u64,
 }
 
 /// Scratch memory kept between calls (4 MiB): the direct algorithms' fold slots are a
@@ -393,12 +403,24 @@ impl Communicator {
         let single_copy = memory.is_ok();
         // Between threads of one process, single copy is a pointer read (unless the
         // agreed model was tuned: every rank sees the same model and the same pids).
-        if memory.is_ok_and(|m| m.all_in_process())
-            && model.local_single.about(CostModel::default().local_single)
-        {
+        let untuned = model.local_single.about(CostModel::default().local_single);
+        if memory.is_ok_and(|m| m.all_in_process()) && untuned {
             model.local_single = crate::tune::LinkCost::IN_PROCESS_SINGLE;
         }
         let planner = Planner::new(&config, &hosts, config.channels, model, single_copy);
+        // Between processes, a window mapped by every peer is read as a thread reads.
+        let windowed_planner = (single_copy
+            && untuned
+            && !model
+                .local_single
+                .about(crate::tune::LinkCost::IN_PROCESS_SINGLE))
+        .then(|| {
+            let windowed = CostModel {
+                local_single: crate::tune::LinkCost::IN_PROCESS_SINGLE,
+                ..model
+            };
+            Planner::new(&config, &hosts, config.channels, windowed, single_copy)
+        });
         let device_tuning =
             device_tuning::agree(&boot, &gpu_lines, &hosts, config.device_channels, model.net)?;
         let device_planner = Planner::new(
@@ -422,6 +444,7 @@ impl Communicator {
             nranks,
             config,
             planner,
+            windowed_planner,
             device_planner,
             device_tuning,
             gpu,
@@ -437,6 +460,8 @@ impl Communicator {
                 last_device_plan: None,
                 scratch: Vec::new(),
                 device: None,
+                windows: HashMap::new(),
+                windows_made: 0,
             }),
             splits: AtomicU64::new(0),
             turns: Turns::default(),
@@ -764,12 +789,14 @@ impl Communicator {
         let group: Vec<(Choice, usize)>;
         let (fused, name, per_op): (_, _, &[(Choice, usize)]) = match raws {
             [raw] => {
-                let cached = self.single_plan(&self.planner, &mut st.last_plan, raw)?;
+                let planner = self.host_planner(st.windows.len());
+                let cached = self.single_plan(planner, &mut st.last_plan, raw)?;
                 single = [(cached.choice, cached.scratch_elems)];
                 (None, raw.collective.name(), &single)
             }
             _ => {
-                let (fused, choices) = self.fused_plan(&self.planner, raws)?;
+                let (fused, choices) =
+                    self.fused_plan(self.host_planner(st.windows.len()), raws)?;
                 group = choices
                     .into_iter()
                     .enumerate()

@@ -58,10 +58,12 @@ impl Communicator {
             input: std::ptr::null(),
             output: std::ptr::null_mut(),
         };
+        let windows = self.lock().windows.len();
+        let planner = self.host_planner(windows);
         self.plan_with(
-            &self.planner,
+            planner,
             &raw,
-            self.choice_for(collective, count * dtype.size()),
+            self.choice_with(planner, collective, count * dtype.size()),
         )
     }
 
@@ -138,7 +140,16 @@ impl Communicator {
     /// one plan, reported as ring; every collective has a choice of protocol). In
     /// deterministic mode a reduction uses only algorithms that fold in rank order.
     pub fn choice_for(&self, collective: Collective, bytes: usize) -> Choice {
-        self.choice_with(&self.planner, collective, bytes)
+        let windows = self.lock().windows.len();
+        self.choice_with(self.host_planner(windows), collective, bytes)
+    }
+
+    /// The planner of host calls while `windows` windows are registered.
+    pub(super) fn host_planner(&self, windows: usize) -> &Planner {
+        match &self.windowed_planner {
+            Some(windowed) if windows > 0 => windowed,
+            _ => &self.planner,
+        }
     }
 
     pub(super) fn choice_with(

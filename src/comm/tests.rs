@@ -210,3 +210,58 @@ fn asynchronous_calls_keep_issue_order_with_blocking_ones() {
         assert_eq!(d, 6);
     }
 }
+
+#[test]
+fn windows_must_be_shared_memory_and_are_refused_alike_on_every_rank() {
+    use crate::transport::window::SharedMemory;
+    let cs = comms(2);
+    // Rank 1's bytes are on the heap: both ranks fail, naming rank 1.
+    let errs = on_all(&cs, |c| {
+        let mut shared = SharedMemory::new(4096).unwrap();
+        let mut heap = vec![0u8; 4096];
+        let ptr = if c.rank() == 0 {
+            shared.as_mut_slice().as_mut_ptr()
+        } else {
+            heap.as_mut_ptr()
+        };
+        // SAFETY: live memory of 4096 bytes, unused by calls.
+        unsafe { c.register_window(ptr, 4096) }
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errs {
+        assert!(
+            e.contains("rank 1: the window's 4096 bytes") && e.contains("not in one allocation"),
+            "{e}"
+        );
+    }
+    // Past its end is not inside it either.
+    let errs = on_all(&cs, |c| {
+        let shared = SharedMemory::new(4096).unwrap();
+        // SAFETY: as above (the call fails before anything reads).
+        unsafe { c.register_window(shared.as_ptr(), 4097) }
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(errs.iter().all(|e| e.contains("rank 0:")), "{errs:?}");
+    // A window made on one communicator is not another's to end; calls still work.
+    let windows = on_all(&cs, |c| {
+        let shared = SharedMemory::new(1 << 20).unwrap();
+        // SAFETY: the window keeps the memory mapped; no call uses it.
+        unsafe { c.register_window(shared.as_ptr(), 1 << 20) }.unwrap()
+    });
+    let others = comms(2);
+    let mut windows = windows.into_iter();
+    let stray = windows.next().unwrap();
+    let err = others[0].deregister_window(stray).unwrap_err().to_string();
+    assert!(
+        err.contains("not a live window of this communicator"),
+        "{err}"
+    );
+    let out = on_all(&cs, |c| {
+        let mut v = [c.rank() as u32 + 1];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+        v[0]
+    });
+    assert_eq!(out, [3, 3]);
+}

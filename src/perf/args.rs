@@ -36,7 +36,12 @@ nccl-tests flags (same meanings):
   -J, --output_file FILE    write the results as JSON
   -m, --agg_iters 1         (only 1: no aggregation)
   -g, --ngpus 1             (one device per rank: only 1)
-  -z, -y, -C, -G, -R        accepted for compatibility; no effect
+  -R, --local_register 0|1|2
+                            host buffers: 0 plain, 1 registered (changes nothing:
+                            shared memory and TCP need no registration), 2 in
+                            windows (ncclMemAlloc + ncclCommWindowRegister: peers
+                            in other processes read them in place)           [0]
+  -z, -y, -C, -G            accepted for compatibility; no effect
 
 ferroccl's own:
   -np N                     start N local ranks as processes over /dev/shm
@@ -144,6 +149,8 @@ pub struct PerfArgs {
     pub memory: Memory,
     /// Which library runs the collectives.
     pub backend: Backend,
+    /// `-R 2`: host buffers in windows of shared memory.
+    pub windows: bool,
 }
 
 impl Default for PerfArgs {
@@ -170,6 +177,7 @@ impl Default for PerfArgs {
             progress: true,
             memory: Memory::Host,
             backend: Backend::Ferroccl,
+            windows: false,
         }
     }
 }
@@ -349,9 +357,18 @@ pub fn parse(argv: &[String]) -> Result<Option<PerfArgs>> {
                 }
             }
             "-z" | "--blocking" | "-y" | "--stream_null" | "-C" | "--report_cputime" | "-G"
-            | "--cudagraph" | "-R" | "--local_register" => {
+            | "--cudagraph" => {
                 number::<i64>(&flag, &value()?)?;
             }
+            "-R" | "--local_register" => match number::<u8>(&flag, &value()?)? {
+                0 | 1 => a.windows = false,
+                2 => a.windows = true,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "{flag} {other}: 0 (plain), 1 (registered) or 2 (windows)"
+                    )));
+                }
+            },
             other => return Err(Error::invalid(format!("unknown option {other:?}"))),
         }
     }

@@ -33,6 +33,7 @@ use crate::comm::{CommConfig, Communicator};
 use crate::error::{Error, Result};
 use crate::launch::{self, LocalJob};
 use crate::plan::Collective;
+use crate::transport::window::{SharedMemory, Window};
 use crate::types::{Element, ReduceOp};
 
 /// Environment variable of the test hook that corrupts one output element on rank 0
@@ -346,9 +347,47 @@ fn sweep(
     Ok((rows, wrong))
 }
 
+/// A buffer's elements: on the heap, or in a window of shared memory (`-R 2`).
+enum Elements<T> {
+    Heap(Vec<T>),
+    Window {
+        memory: SharedMemory,
+        window: Window,
+        len: usize,
+        _elements: std::marker::PhantomData<T>,
+    },
+}
+
+impl<T> std::ops::Deref for Elements<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Elements::Heap(v) => v,
+            // SAFETY: `len` elements fit the allocation (made for them, page-aligned, so
+            // aligned for T), zeroed at first and written only as T since; every
+            // element type is plain numbers, for which any bytes are a value.
+            Elements::Window { memory, len, .. } => unsafe {
+                std::slice::from_raw_parts(memory.as_ptr().cast::<T>(), *len)
+            },
+        }
+    }
+}
+
+impl<T> std::ops::DerefMut for Elements<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Elements::Heap(v) => v,
+            // SAFETY: as in `deref`, borrowed exclusively through `self`.
+            Elements::Window { memory, len, .. } => unsafe {
+                std::slice::from_raw_parts_mut(memory.as_ptr().cast::<T>(), *len)
+            },
+        }
+    }
+}
+
 /// Where a call's input and output live.
 struct Buffers<T> {
-    mem: Vec<T>,
+    mem: Elements<T>,
     input_at: usize,
     output_at: usize,
     in_len: usize,
@@ -375,11 +414,38 @@ impl<T: Element + Default> Buffers<T> {
             }
         };
         Buffers {
-            mem: vec![T::default(); len],
+            mem: Elements::Heap(vec![T::default(); len]),
             input_at,
             output_at,
             in_len,
             out_len,
+        }
+    }
+
+    /// The same buffer in a window of `comm`'s (collective): `-R 2`.
+    fn into_window(self, comm: &Communicator) -> Result<Self> {
+        let len = self.mem.len();
+        let bytes = len * std::mem::size_of::<T>();
+        let memory = SharedMemory::new(bytes)?;
+        // SAFETY: the memory lives as long as the window (both in `Elements`), and this
+        // rank passes it only to this communicator's calls.
+        let window = unsafe { comm.register_window(memory.as_ptr(), bytes) }?;
+        Ok(Buffers {
+            mem: Elements::Window {
+                memory,
+                window,
+                len,
+                _elements: std::marker::PhantomData,
+            },
+            ..self
+        })
+    }
+
+    /// Deregisters the window, if any (collective, as registering was).
+    fn release(self, comm: &Communicator) -> Result<()> {
+        match self.mem {
+            Elements::Heap(_) => Ok(()),
+            Elements::Window { window, .. } => comm.deregister_window(window),
         }
     }
 
@@ -414,8 +480,10 @@ fn measure<T: Element + Default>(
         count,
         size,
     };
-    let mode = |in_place: bool| match target {
-        Target::Host => run_mode::<T>(comm, &call, in_place, args),
+    // On host memory, the choice while the buffers are in place (windows change it).
+    let mut algorithm = None;
+    let mut mode = |in_place: bool| match target {
+        Target::Host => run_mode::<T>(comm, &call, in_place, args, &mut algorithm),
         Target::Device(d, library) => d.run_mode::<T>(*library, &call, in_place, args),
     };
     let mut modes = vec![mode(false)?];
@@ -431,7 +499,9 @@ fn measure<T: Element + Default>(
         root: test.rooted().then_some(root),
         out_of_place: modes.pop().expect("out-of-place measured"),
         in_place,
-        algorithm: test.algorithm(comm, count, elem, matches!(target, Target::Device(..))),
+        algorithm: algorithm.unwrap_or_else(|| {
+            test.algorithm(comm, count, elem, matches!(target, Target::Device(..)))
+        }),
         rank,
     })
 }
@@ -451,12 +521,16 @@ fn run_mode<T: Element + Default>(
     call: &Call,
     in_place: bool,
     args: &PerfArgs,
+    algorithm: &mut Option<String>,
 ) -> Result<Measure> {
     let (rank, n) = (comm.rank(), comm.size());
     let Call {
         test, c, op, count, ..
     } = *call;
     let mut bufs = Buffers::<T>::new(c, count, rank, n, in_place);
+    if args.windows {
+        bufs = bufs.into_window(comm)?;
+    }
     let run = |bufs: &mut Buffers<T>| -> Result<()> {
         let base = bufs.mem.as_mut_ptr();
         if test == Test::SendRecv {
@@ -487,6 +561,8 @@ fn run_mode<T: Element + Default>(
     }
     bufs.mem.fill(T::default());
     let measured = call.time(comm, args, || run(&mut bufs), || Ok(()))?;
+    *algorithm = Some(test.algorithm(comm, count, std::mem::size_of::<T>(), false));
+    bufs.release(comm)?;
     Ok(Measure { wrong, ..measured })
 }
 

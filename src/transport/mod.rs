@@ -31,6 +31,7 @@ pub mod segment;
 mod shm;
 pub mod single_copy;
 pub mod tcp;
+pub mod window;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -590,6 +591,11 @@ impl Connections {
     /// (every rank has the same verdict, so the protocol is chosen alike).
     pub fn peer_memory(&self) -> std::result::Result<&single_copy::PeerMemory, &str> {
         self.peer_memory.as_ref().map_err(String::as_str)
+    }
+
+    /// [`Connections::peer_memory`], to add or drop windows.
+    pub(crate) fn peer_memory_mut(&mut self) -> Option<&mut single_copy::PeerMemory> {
+        self.peer_memory.as_mut().ok()
     }
 
     /// The staging buffer of single-copy reductions ([`single_copy::STAGING_BYTES`]),

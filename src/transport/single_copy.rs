@@ -23,6 +23,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::routes::{Path, Routes};
+use super::window::PeerWindow;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
@@ -94,6 +95,8 @@ pub struct PeerMemory {
     /// Each rank's process id (equal to this rank's: a thread of this process).
     pids: Vec<u32>,
     own_pid: u32,
+    /// Each rank's windows this rank has mapped (none for threads of this process).
+    windows: Vec<Vec<PeerWindow>>,
 }
 
 impl PeerMemory {
@@ -108,8 +111,39 @@ impl PeerMemory {
         (self.pids[peer] == self.own_pid).then_some(addr as *const u8)
     }
 
+    /// `len` bytes at `addr` in rank `peer`'s memory as a pointer this rank may read
+    /// through: when `peer` is a thread of this process, or when the bytes lie in one of
+    /// its windows this rank has mapped; `None` when only [`PeerMemory::read`] reaches
+    /// them.
+    pub fn direct(&self, peer: usize, addr: u64, len: usize) -> Option<*const u8> {
+        self.in_process(peer, addr)
+            .or_else(|| self.windows[peer].iter().find_map(|w| w.lookup(addr, len)))
+    }
+
+    /// Whether rank `peer` is a thread of another process (whose windows need mapping).
+    pub(crate) fn other_process(&self, peer: usize) -> Option<u32> {
+        (self.pids[peer] != self.own_pid).then_some(self.pids[peer])
+    }
+
+    /// Adds the peers' mappings of the window `id`.
+    pub(crate) fn add_window(&mut self, mapped: Vec<(usize, PeerWindow)>) {
+        for (peer, window) in mapped {
+            self.windows[peer].push(window);
+        }
+    }
+
+    /// Drops every peer's mapping of the window `id`.
+    pub(crate) fn remove_window(&mut self, id: u64) {
+        for list in &mut self.windows {
+            list.retain(|w| w.id != id);
+        }
+    }
+
     /// Copies `len` bytes at `addr` in rank `peer`'s memory to `dst`; on failure, what
     /// happened (for [`CallInfo::peer_failed`](crate::error::CallInfo::peer_failed)).
+    ///
+    /// Reads through [`PeerMemory::direct`]'s pointer when there is one, else with
+    /// `process_vm_readv`.
     ///
     /// # Safety
     /// `dst` must be writable for `len` bytes; when `peer` is a thread of this process,
@@ -122,7 +156,7 @@ impl PeerMemory {
         dst: *mut u8,
         len: usize,
     ) -> std::result::Result<(), String> {
-        if let Some(src) = self.in_process(peer, addr) {
+        if let Some(src) = self.direct(peer, addr, len) {
             // SAFETY: by this function's contract.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
             return Ok(());
@@ -188,7 +222,11 @@ pub(super) fn agree(
         pids.push(u32::from_le_bytes(pid.try_into().expect("4 bytes")));
         words.push(u64::from_le_bytes(word.try_into().expect("8 bytes")));
     }
-    let reader = PeerMemory { pids, own_pid };
+    let reader = PeerMemory {
+        windows: pids.iter().map(|_| Vec::new()).collect(),
+        pids,
+        own_pid,
+    };
     let verdict = (0..nranks)
         .filter(|&p| p != rank)
         .find_map(|p| probe(&reader, routes, p, words[p]).err())

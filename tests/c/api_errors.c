@@ -126,6 +126,34 @@ int main(void) {
   memset(mem, 1, 1 << 20);
   CHECK(ncclMemFree(mem));
   expect_error("free twice", ncclMemFree(mem), ncclInvalidArgument, "not allocated");
+#ifdef NCCL_WIN_COLL_SYMMETRIC
+  /* A window of ncclMemAlloc memory: registered, used by a call, ended; the rest named. */
+  {
+    void* wmem = NULL;
+    ncclWindow_t win;
+    CHECK(ncclMemAlloc(&wmem, 1 << 16));
+    float* wf = (float*)wmem;
+    for (int i = 0; i < 16; i++) wf[i] = (float)i;
+    CHECK(ncclCommWindowRegister(comm, wmem, 1 << 16, &win, NCCL_WIN_COLL_SYMMETRIC));
+    CHECK(ncclAllReduce(wf, wf + 16, 16, ncclFloat32, ncclSum, comm, NULL));
+    for (int i = 0; i < 16; i++) {
+      if (wf[16 + i] != (float)i) {
+        failures++;
+        fprintf(stderr, "all-reduce in a window: element %d is %g\n", i, (double)wf[16 + i]);
+      }
+    }
+    CHECK(ncclCommWindowDeregister(comm, win));
+    expect_error("window deregistered twice", ncclCommWindowDeregister(comm, win),
+                 ncclInvalidArgument, "not a window of this communicator");
+    expect_error("window of stack memory", ncclCommWindowRegister(comm, a, sizeof a, &win, 0),
+                 ncclInvalidArgument, "not in one allocation of shared memory");
+    expect_error("window flags 2", ncclCommWindowRegister(comm, wmem, 64, &win, 2),
+                 ncclInvalidArgument, "winFlags 0x2");
+    expect_error("window into NULL", ncclCommWindowRegister(comm, wmem, 64, NULL, 0),
+                 ncclInvalidArgument, "win is NULL");
+    CHECK(ncclMemFree(wmem));
+  }
+#endif
   void* reg;
   CHECK(ncclCommRegister(comm, a, sizeof a, &reg));
   CHECK(ncclCommDeregister(comm, reg));

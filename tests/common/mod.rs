@@ -5,6 +5,7 @@
 
 pub use ferroccl::perf::check::{expected, input, ops};
 use ferroccl::plan::Collective;
+use ferroccl::transport::window::SharedMemory;
 use ferroccl::{Communicator, Element, ReduceOp};
 
 /// Runs `c` on `comm` with typed buffers (in place or not) and checks the output
@@ -15,6 +16,19 @@ pub fn run_and_check<T: Element + Default>(
     op: ReduceOp,
     count: usize,
     in_place: bool,
+) -> Result<(), String> {
+    run_and_check_in::<T>(comm, c, op, count, in_place, None)
+}
+
+/// [`run_and_check`] with the call's buffers in `arena` (a window of `comm`, say) when
+/// one is given: the data is copied in before the call and out after it.
+pub fn run_and_check_in<T: Element + Default>(
+    comm: &Communicator,
+    c: Collective,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
+    mut arena: Option<&mut SharedMemory>,
 ) -> Result<(), String> {
     let (n, rank) = (comm.size(), comm.rank());
     let data_op = c.is_reducing().then_some(op);
@@ -30,25 +44,34 @@ pub fn run_and_check<T: Element + Default>(
         ) {
             (_, Some(at)) => {
                 let mut buf = mine[..in_len].to_vec();
-                call_in_place(comm, c, op, &mut buf).map_err(fail)?;
+                placed(arena.as_deref_mut(), &mut buf, &mut [], |b, _| {
+                    call_in_place(comm, c, op, b)
+                })
+                .map_err(fail)?;
                 buf[at..at + out_len].to_vec()
             }
             (Some(at), _) => {
                 let mut buf = vec![T::default(); out_len.max(at + in_len)];
                 buf[at..at + in_len].copy_from_slice(&mine[..in_len]);
-                call_in_place(comm, c, op, &mut buf).map_err(fail)?;
+                placed(arena.as_deref_mut(), &mut buf, &mut [], |b, _| {
+                    call_in_place(comm, c, op, b)
+                })
+                .map_err(fail)?;
                 buf[..out_len].to_vec()
             }
             (None, None) => {
                 let mut buf = mine[..in_len.max(out_len)].to_vec();
-                call_in_place(comm, c, op, &mut buf).map_err(fail)?;
+                placed(arena.as_deref_mut(), &mut buf, &mut [], |b, _| {
+                    call_in_place(comm, c, op, b)
+                })
+                .map_err(fail)?;
                 buf[..out_len].to_vec()
             }
         }
     } else {
-        let send = &mine[..in_len];
+        let mut send = mine[..in_len].to_vec();
         let mut recv = vec![T::default(); out_len];
-        call(comm, c, op, send, &mut recv).map_err(fail)?;
+        placed(arena, &mut send, &mut recv, |s, r| call(comm, c, op, s, r)).map_err(fail)?;
         recv
     };
     if let Some(want) = expected::<T>(c, op, count, n, rank) {
@@ -70,6 +93,40 @@ pub fn run_and_check<T: Element + Default>(
         }
     }
     Ok(())
+}
+
+/// Runs `f` on `a` and `b`, or, with an arena, on copies of them laid one after the
+/// other at its start, copied back after.
+fn placed<T: Element, R>(
+    arena: Option<&mut SharedMemory>,
+    a: &mut [T],
+    b: &mut [T],
+    f: impl FnOnce(&mut [T], &mut [T]) -> R,
+) -> R {
+    let Some(arena) = arena else {
+        return f(a, b);
+    };
+    let b_at = std::mem::size_of_val(a).next_multiple_of(64);
+    assert!(
+        b_at + std::mem::size_of_val(b) <= arena.len(),
+        "the arena's {} bytes are too few for this call",
+        arena.len()
+    );
+    let base = arena.as_mut_slice().as_mut_ptr();
+    // SAFETY: two disjoint ranges of the arena (checked to fit; page-aligned base and a
+    // 64-byte aligned offset suit every element type), borrowed through `arena`.
+    let (pa, pb) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(base.cast::<T>(), a.len()),
+            std::slice::from_raw_parts_mut(base.add(b_at).cast::<T>(), b.len()),
+        )
+    };
+    pa.copy_from_slice(a);
+    pb.copy_from_slice(b);
+    let result = f(pa, pb);
+    a.copy_from_slice(pa);
+    b.copy_from_slice(pb);
+    result
 }
 
 fn call<T: Element>(

@@ -1,0 +1,110 @@
+//! Windows on a communicator (`ncclCommWindowRegister`): buffers in [`SharedMemory`]
+//! that every rank of another process on the host maps once, so that single-copy calls
+//! read them in place ([`crate::transport::window`]).
+//!
+//! Registration is collective, so every rank knows at every call how many windows are
+//! live, and plans host calls with the same cost model: while any is, ranks of other
+//! processes are priced as threads (a read in place, [`LinkCost::IN_PROCESS_SINGLE`]),
+//! so large calls take single copy. Whether a call's buffers lie in windows is each
+//! rank's own business: a region outside them is read with `process_vm_readv`, slower
+//! but correct, as NCCL's symmetric kernels expect their users to pass window memory.
+//!
+//! [`SharedMemory`]: crate::transport::window::SharedMemory
+//! [`LinkCost::IN_PROCESS_SINGLE`]: crate::tune::LinkCost::IN_PROCESS_SINGLE
+
+use super::Communicator;
+use crate::error::{Error, Result};
+use crate::transport::window::{self, PeerWindow, Published, Window};
+
+impl Communicator {
+    /// Registers `len` bytes at `addr` as a window (`ncclCommWindowRegister`):
+    /// collective, in call order, like the collectives. The bytes must lie in one
+    /// [`SharedMemory`](crate::transport::window::SharedMemory) allocation (from it, or
+    /// from `ncclMemAlloc` without a CUDA context); sizes may differ across ranks. Fails
+    /// on every rank, naming the rank, when any rank's bytes are not such memory or a
+    /// rank could not map a peer's.
+    ///
+    /// # Safety
+    /// Until [`Communicator::deregister_window`], calls may pass these bytes to peers
+    /// that read them; the window keeps the allocation mapped, but its owner must not
+    /// hand the bytes to other uses while calls run (as with any call's buffers).
+    pub unsafe fn register_window(&self, addr: *mut u8, len: usize) -> Result<Window> {
+        self.turns
+            .run_blocking(|| self.register_window_in_turn(addr as usize, len))
+    }
+
+    fn register_window_in_turn(&self, addr: usize, len: usize) -> Result<Window> {
+        let found = window::find(addr, len);
+        let mine = found.as_ref().map_or_else(Vec::new, |(_, p)| p.to_bytes());
+        let all = self.boot.all_gather(&mine)?;
+        let mut st = self.lock();
+        let id = st.windows_made;
+        st.windows_made += 1;
+        let mut mapped = Vec::new();
+        let mut verdict = String::new();
+        if found.is_none() {
+            verdict = format!(
+                "the window's {len} bytes at {addr:#x} are not in one allocation of shared \
+                 memory (ncclMemAlloc on the host, or ferroccl's SharedMemory)"
+            );
+        } else if let Ok(memory) = st.conns.peer_memory() {
+            for (peer, bytes) in all.iter().enumerate() {
+                if peer == self.rank || memory.other_process(peer).is_none() {
+                    continue;
+                }
+                // A peer without a window has its own verdict, sent below.
+                let Some(published) = Published::from_bytes(bytes) else {
+                    continue;
+                };
+                match PeerWindow::map(id, peer, &published) {
+                    Ok(w) => mapped.push((peer, w)),
+                    Err(why) => {
+                        verdict = why;
+                        break;
+                    }
+                }
+            }
+        }
+        // Every rank decides alike: the first failure, on every rank.
+        let verdicts = self.boot.all_gather(verdict.as_bytes())?;
+        if let Some((r, why)) = verdicts.iter().enumerate().find(|(_, v)| !v.is_empty()) {
+            return Err(Error::invalid(format!(
+                "registering a window: rank {r}: {}",
+                String::from_utf8_lossy(why)
+            )));
+        }
+        if let Some(memory) = st.conns.peer_memory_mut() {
+            memory.add_window(mapped);
+        }
+        let (allocation, _) = found.expect("a window was found above, or the call failed");
+        let window = Window::new(id, allocation);
+        st.windows.insert(window.token, id);
+        // Plans made without windows may not be the plans with them.
+        st.last_plan = None;
+        tracing::info!(
+            "rank {}: window {id} of {len} bytes at {addr:#x} registered",
+            self.rank
+        );
+        Ok(window)
+    }
+
+    /// Ends a window made by [`Communicator::register_window`]
+    /// (`ncclCommWindowDeregister`): collective, in call order. Peers unmap it; its
+    /// memory is freed once its [`SharedMemory`](crate::transport::window::SharedMemory)
+    /// is dropped too.
+    pub fn deregister_window(&self, window: Window) -> Result<()> {
+        self.turns.run_blocking(|| {
+            let mut st = self.lock();
+            let Some(id) = st.windows.remove(&window.token) else {
+                return Err(Error::invalid(format!(
+                    "{window:?} is not a live window of this communicator"
+                )));
+            };
+            if let Some(memory) = st.conns.peer_memory_mut() {
+                memory.remove_window(id);
+            }
+            st.last_plan = None;
+            Ok(())
+        })
+    }
+}
