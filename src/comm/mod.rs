@@ -400,27 +400,7 @@ impl Communicator {
         }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
         let memory = conns.peer_memory();
-        let single_copy = memory.is_ok();
-        // Between threads of one process, single copy is a pointer read (unless the
-        // agreed model was tuned: every rank sees the same model and the same pids).
-        let untuned = model.local_single.about(CostModel::default().local_single);
-        if memory.is_ok_and(|m| m.all_in_process()) && untuned {
-            model.local_single = crate::tune::LinkCost::IN_PROCESS_SINGLE;
-        }
-        let planner = Planner::new(&config, &hosts, config.channels, model, single_copy);
-        // Between processes, a window mapped by every peer is read as a thread reads.
-        let windowed_planner = (single_copy
-            && untuned
-            && !model
-                .local_single
-                .about(crate::tune::LinkCost::IN_PROCESS_SINGLE))
-        .then(|| {
-            let windowed = CostModel {
-                local_single: crate::tune::LinkCost::IN_PROCESS_SINGLE,
-                ..model
-            };
-            Planner::new(&config, &hosts, config.channels, windowed, single_copy)
-        });
+        let (planner, windowed_planner) = Planner::for_host(&config, &hosts, model, memory);
         let device_tuning =
             device_tuning::agree(&boot, &gpu_lines, &hosts, config.device_channels, model.net)?;
         let device_planner = Planner::new(
