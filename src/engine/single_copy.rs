@@ -266,11 +266,11 @@ unsafe fn receive(
         ));
     };
     let pre = d.flags & NEEDS_PRE != 0;
-    // From a thread of this process, or a window this rank mapped, when the contribution
-    // needs no pre-operation, the step works straight from its region, in pieces as the slice code expects (a copy
-    // then streams into a large output as the FIFO path does); from another process a
-    // copy is read whole into its destination, and a reduction's pieces are read into
-    // the staging buffer first (and pre-processed there).
+    // From a thread of this process, or from a window this rank mapped, a contribution
+    // that needs no pre-operation is worked on straight from its region, in pieces as
+    // the slice code expects (a copy then streams into a large output as the FIFO path
+    // does); otherwise a copy is read whole into its destination, and a reduction's
+    // pieces are read into the staging buffer first (and pre-processed there).
     let direct = memory.direct(from, d.addr, bytes).filter(|_| !pre);
     let read = match *step {
         Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } if direct.is_none() => {

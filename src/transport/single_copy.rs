@@ -4,10 +4,12 @@
 //! With the [`Protocol::SingleCopy`](crate::plan::Protocol::SingleCopy) protocol a
 //! message between two ranks of a host is not its bytes but a [`Descriptor`] in one
 //! slot of the Simple FIFO: where the sender's region starts and how long it is. The
-//! receiver copies the region with Linux cross-memory attach (`process_vm_readv`)
-//! between processes, or a plain copy between threads of one process, straight into its
-//! destination, or, when it reduces, in pieces into a staging buffer small enough to
-//! stay in its cache, which the reduction then reads. Releasing the slot is the
+//! receiver reads the region in place when it can: between threads of one process, and
+//! between processes when the region lies in a window the receiver mapped
+//! ([`super::window`]). Otherwise it copies it with Linux cross-memory attach
+//! (`process_vm_readv`), straight into its destination, or, when it reduces, in pieces
+//! into a staging buffer small enough to stay in its cache, which the reduction then
+//! reads. Releasing the slot is the
 //! receiver's "done": the sender may not write the region, nor return from the call,
 //! before the FIFO's `tail` has passed the descriptor (the engine keeps the posted
 //! regions until then). This is what MPI libraries call a rendezvous with a single copy
@@ -120,12 +122,13 @@ impl PeerMemory {
             .or_else(|| self.windows[peer].iter().find_map(|w| w.lookup(addr, len)))
     }
 
-    /// Whether rank `peer` is a thread of another process (whose windows need mapping).
+    /// Rank `peer`'s process id when it is another process (whose windows this rank
+    /// maps); `None` for a thread of this one.
     pub(crate) fn other_process(&self, peer: usize) -> Option<u32> {
         (self.pids[peer] != self.own_pid).then_some(self.pids[peer])
     }
 
-    /// Adds the peers' mappings of the window `id`.
+    /// Adds peers' mappings of a window: (peer, its mapped window) pairs.
     pub(crate) fn add_window(&mut self, mapped: Vec<(usize, PeerWindow)>) {
         for (peer, window) in mapped {
             self.windows[peer].push(window);
@@ -157,7 +160,9 @@ impl PeerMemory {
         len: usize,
     ) -> std::result::Result<(), String> {
         if let Some(src) = self.direct(peer, addr, len) {
-            // SAFETY: by this function's contract.
+            // SAFETY: `dst` by this function's contract; `src` is a thread's region (the
+            // contract) or `len` bytes inside a window's read-only mapping (`direct`
+            // checked the bounds), which `dst`, writable, cannot overlap.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
             return Ok(());
         }
