@@ -5,10 +5,11 @@
 //! together: the engine sweeps over them, advancing each as far as its FIFOs allow, one
 //! slot-sized slice at a time; a step that receives reads the peer's slot in place
 //! (reducing straight from it into the destination or into the next peer's slot) and
-//! hands it back at once.
+//! hands it back at once. A small plan (one lane, LL, every step one slice) skips the
+//! sweep and runs its steps in order (`engine/in_order.rs`).
 //!
-//! When a sweep moves nothing the rank waits, in three stages so that eight ranks on two
-//! cores still run at full speed: a short spin (a reply from a rank on another core
+//! When a sweep moves nothing the rank waits (`engine/waiting.rs`), in three stages so
+//! that eight ranks on two cores still run at full speed: a short spin (a reply from a rank on another core
 //! takes well under a microsecond), then a few `sched_yield`s (let a rank that shares
 //! this core run), then sleep on the rank's [bell](crate::transport::bell) until a peer
 //! rings it. Each sleep is bounded, so the deadline is honoured and dead peers are
@@ -21,42 +22,20 @@
 //! GPU ([`device`]).
 
 pub mod device;
+mod in_order;
 pub mod progress;
 mod single_copy;
+mod waiting;
 
-use std::time::{Duration, Instant};
-
-use crate::error::{ABORTED_BY_USER, CallInfo, Error, Result};
+use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::reduce::copy::{copy, copy_maybe_overlapping};
 use crate::reduce::stream::stream_copy;
-use crate::transport::bell::Closed;
 use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, Protocol};
 use single_copy::PostedRegions;
-
-/// Sweeps without progress spent spinning, then yielding, before sleeping, when every
-/// rank of this machine can have a core of its own: a reply from another core arrives
-/// within the spin.
-const DEDICATED_WAIT: (u32, u32) = (64, 16);
-/// With a core of its own, a rank keeps spinning at least this long after its last
-/// progress before it sleeps: peers that spend a few tens of microseconds between calls
-/// (Python, torch's dispatch) would otherwise find it asleep at every call, and a
-/// futex wake-up on a VM costs more than the wait (measured: 2 ranks under
-/// `torch.distributed`, 8-byte all-reduce, 71 us -> 32-56 us).
-const DEDICATED_SPIN: Duration = Duration::from_micros(100);
-/// The same when ranks outnumber cores: spinning would only keep the rank being waited
-/// for off the core, so yield at once, and for longer (measured on 2 cores, 8-byte
-/// all-reduce: 4 ranks 8.1 -> 5.5 us, 8 ranks 26 -> 20 us).
-const OVERSUBSCRIBED_WAIT: (u32, u32) = (0, 64);
-/// Longest single sleep (a sleeping rank wakes at least this often to check on peers).
-const MAX_SLEEP: Duration = Duration::from_millis(50);
-/// After a timeout, how long a rank watches the peers on the chain of waits for one that
-/// does not wake (several [`MAX_SLEEP`]s, so a waiting peer surely wakes in it).
-const STALL_WATCH: Duration = Duration::from_millis(200);
-/// How often a waiting rank asks the kernel whether the processes it waits on exist.
-const PROCESS_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+use waiting::Waiting;
 
 /// One operation's buffers and arithmetic, as the engine needs them.
 #[derive(Clone, Copy, Debug)]
@@ -163,11 +142,17 @@ pub unsafe fn execute(
     conns: &mut Connections,
     call: &CallInfo,
 ) -> Result<()> {
+    let mut waiting = Waiting::default();
+    let in_order = in_order::lane_in_order(plan, ops, conns.slice_bytes(Protocol::LL))
+        .filter(|_| !crate::trace::tracing_steps());
     // SAFETY: forwarded from this function's contract.
-    let result = unsafe { run_lanes(plan, ops, conns, call) };
-    // Between calls the TCP receive proxies read the links, and this rank waits on no one.
-    conns.stop_reading();
-    conns.bell().set_waiting_on(&[]);
+    let result = unsafe {
+        match in_order {
+            Some(lane) => in_order::run_in_order(lane, ops, conns, call, &mut waiting),
+            None => run_lanes(plan, ops, conns, call, &mut waiting),
+        }
+    };
+    waiting.finish(conns);
     result
 }
 
@@ -215,6 +200,7 @@ unsafe fn run_lanes(
     ops: &[OpBuffers],
     conns: &mut Connections,
     call: &CallInfo,
+    waiting: &mut Waiting,
 ) -> Result<()> {
     #[cfg(feature = "fault-injection")]
     crate::fault::arm(call.seq)?;
@@ -230,127 +216,82 @@ unsafe fn run_lanes(
     };
     let tracing = crate::trace::tracing_steps();
     let rank = conns.rank();
-    let trace = |lane: usize| {
+    let trace = move |lane: usize| {
         tracing.then_some(StepTrace {
             rank,
             seq: call.seq,
             lane,
         })
     };
-    // Taken when the call first waits: the start of its deadline.
-    let mut start: Option<Instant> = None;
-    let mut idle_sweeps = 0u32;
-    let mut idle_since: Option<Instant> = None;
-    let mut last_process_check: Option<Instant> = None;
-    // Regions published by single-copy steps that peers may still be reading.
-    let mut posted = PostedRegions::new(call);
+    let mut run = Sweeps {
+        plan,
+        lanes,
+        ops,
+        // Regions published by single-copy steps that peers may still be reading.
+        posted: PostedRegions::new(call),
+        trace,
+    };
     loop {
         // SAFETY: forwarded from this function's contract.
-        let progressed = unsafe { sweep(plan, lanes, ops, conns, &mut posted, &trace)? };
-        if plan
-            .lanes
-            .iter()
-            .zip(lanes.iter())
-            .all(|(lane, st)| st.step == lane.steps.len())
-            && posted.prune(conns)
-        {
+        let progressed = unsafe { run.sweep(conns)? };
+        if run.done() && run.posted.prune(conns) {
             return Ok(());
         }
         if progressed {
-            idle_sweeps = 0;
+            waiting.progressed();
             continue;
         }
-        idle_sweeps += 1;
-        let (spin_sweeps, yield_sweeps) = if conns.oversubscribed() {
-            OVERSUBSCRIBED_WAIT
-        } else {
-            DEDICATED_WAIT
-        };
-        if idle_sweeps == 1 {
-            let now = Instant::now();
-            idle_since = Some(now);
-            start.get_or_insert(now);
-            last_process_check.get_or_insert(now);
+        waiting.idle(conns, call, &mut run)?;
+    }
+}
+
+/// A plan's lanes and how far each has come, swept together.
+struct Sweeps<'a, T: Fn(usize) -> Option<StepTrace>> {
+    plan: &'a Plan,
+    lanes: &'a mut [LaneState],
+    ops: &'a [OpBuffers],
+    posted: PostedRegions<'a>,
+    trace: T,
+}
+
+impl<T: Fn(usize) -> Option<StepTrace>> Sweeps<'_, T> {
+    /// Advances every lane as far as its FIFOs allow; returns whether any moved.
+    ///
+    /// # Safety
+    /// As [`execute`], for the plan and buffers it was made with.
+    unsafe fn sweep(&mut self, conns: &mut Connections) -> Result<bool> {
+        // SAFETY: forwarded.
+        unsafe {
+            sweep(
+                self.plan,
+                self.lanes,
+                self.ops,
+                conns,
+                &mut self.posted,
+                &self.trace,
+            )
         }
-        // Past the first spins, the clock is read every 16th sweep only.
-        if idle_sweeps <= spin_sweeps
-            || (spin_sweeps > 0
-                && (!idle_sweeps.is_multiple_of(16)
-                    || idle_since.is_some_and(|t| t.elapsed() < DEDICATED_SPIN)))
-        {
-            std::hint::spin_loop();
-            continue;
-        }
-        if idle_sweeps <= spin_sweeps + yield_sweeps {
-            std::thread::yield_now();
-            continue;
-        }
-        // Sleep: announce it, check on the peers, look at the FIFOs once more, then wait
-        // for a ring. The peers' states are read before that last look: a peer commits
-        // its last slots before it closes, so whatever it sent before closing is seen
-        // by the look, and a closed peer is only an error if nothing is left to take.
-        let seq = conns.bell().prepare_sleep();
-        let mut waiting_on = blocked_peers(plan, lanes, ops, conns);
-        waiting_on.extend(posted.readers());
-        waiting_on.sort_unstable();
-        waiting_on.dedup();
-        let now = Instant::now();
-        let check_process =
-            last_process_check.is_none_or(|t| now.duration_since(t) >= PROCESS_CHECK_INTERVAL);
-        if check_process {
-            last_process_check = Some(now);
-        }
-        let failure = conns.peer_failure(&waiting_on, check_process);
-        // SAFETY: as above.
-        let progressed = match unsafe { sweep(plan, lanes, ops, conns, &mut posted, &trace) } {
-            Ok(p) => p,
-            Err(e) => {
-                conns.bell().cancel_sleep();
-                return Err(e);
-            }
-        };
-        if progressed {
-            conns.bell().cancel_sleep();
-            idle_sweeps = 0;
-            continue;
-        }
-        if conns.bell().closed() != Closed::Open {
-            // Aborted from another thread (see `Connections::abort_handle`).
-            conns.bell().cancel_sleep();
-            return Err(Error::Aborted {
-                rank: conns.rank(),
-                reason: ABORTED_BY_USER.into(),
-            });
-        }
-        if let Some(failure) = failure {
-            conns.bell().cancel_sleep();
-            return Err(call.peer_failed(conns.rank(), failure));
-        }
-        let start = start.unwrap_or(now);
-        let deadline = start + call.timeout;
-        if now >= deadline {
-            conns.bell().cancel_sleep();
-            let stalled = conns
-                .stalled_rank(&waiting_on, STALL_WATCH)
-                .filter(|&s| Some(&s) != waiting_on.first());
-            // While this rank watched, a peer may have found and named the culprit.
-            if stalled.is_none()
-                && let Some(failure) = conns.peer_failure(&waiting_on, true)
-            {
-                return Err(call.peer_failed(conns.rank(), failure));
-            }
-            return Err(call.timed_out(
-                conns.rank(),
-                waiting_on,
-                stalled,
-                now.duration_since(start),
-            ));
-        }
-        let nap = MAX_SLEEP.min(deadline - now).min(PROCESS_CHECK_INTERVAL);
-        conns.bell().set_waiting_on(&waiting_on);
-        // Asleep, the engine cannot read TCP links in line: their proxies do, and ring.
-        conns.stop_reading();
-        conns.bell().sleep(seq, nap);
+    }
+
+    /// Whether every lane finished its steps.
+    fn done(&self) -> bool {
+        (self.plan.lanes.iter())
+            .zip(self.lanes.iter())
+            .all(|(lane, st)| st.step == lane.steps.len())
+    }
+}
+
+impl<T: Fn(usize) -> Option<StepTrace>> waiting::Look for Sweeps<'_, T> {
+    fn blocked_on(&mut self, conns: &mut Connections) -> Vec<usize> {
+        let mut peers = blocked_peers(self.plan, self.lanes, self.ops, conns);
+        peers.extend(self.posted.readers());
+        peers
+    }
+
+    fn look(&mut self, conns: &mut Connections) -> Result<bool> {
+        // SAFETY: `Sweeps` is only made by `run_lanes`, whose contract covers its plan
+        // and buffers for the whole call.
+        unsafe { self.sweep(conns) }
     }
 }
 

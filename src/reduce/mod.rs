@@ -335,6 +335,9 @@ impl Kernel {
     }
 }
 
+/// Reductions of at most this many elements run the portable loop (see [`reduce_typed`]).
+const SCALAR_UP_TO: usize = 16;
+
 /// [`Kernel::reduce`] for one element type. One function per type keeps each small
 /// enough for LLVM to inline and vectorise all its loops; on x86-64 it runs the AVX-512
 /// or AVX2 build of the same loops when the CPU has them.
@@ -350,14 +353,18 @@ unsafe fn reduce_typed<T: Arith>(
     b: *const T,
     n: usize,
 ) {
+    // A few elements (a small call's) take no vector loop: the dispatch would cost more
+    // than the arithmetic. The same loop body, so the same results.
     #[cfg(target_arch = "x86_64")]
-    match vector_isa() {
-        // SAFETY: the CPU has the instruction set (checked by `vector_isa`); the rest
-        // is the caller's contract.
-        VectorIsa::Avx512 => return unsafe { x86::reduce_avx512(op, scalar, dst, a, b, n) },
-        // SAFETY: as above.
-        VectorIsa::Avx2 => return unsafe { x86::reduce_avx2(op, scalar, dst, a, b, n) },
-        VectorIsa::Portable => {}
+    if n > SCALAR_UP_TO {
+        match vector_isa() {
+            // SAFETY: the CPU has the instruction set (checked by `vector_isa`); the rest
+            // is the caller's contract.
+            VectorIsa::Avx512 => return unsafe { x86::reduce_avx512(op, scalar, dst, a, b, n) },
+            // SAFETY: as above.
+            VectorIsa::Avx2 => return unsafe { x86::reduce_avx2(op, scalar, dst, a, b, n) },
+            VectorIsa::Portable => {}
+        }
     }
     // SAFETY: forwarded from the caller.
     unsafe { reduce_body(op, scalar, dst, a, b, n) }
