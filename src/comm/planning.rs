@@ -121,6 +121,7 @@ impl Communicator {
                 plan,
                 choice,
                 connected: false,
+                schedule: None,
             });
         }
         Ok(last_plan.as_ref().expect("planned above"))

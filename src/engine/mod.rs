@@ -129,6 +129,27 @@ impl StepTrace {
     }
 }
 
+/// How [`execute_as`] runs a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// Every lane progresses together: the engine sweeps over them, a slice at a time.
+    Sweep,
+    /// A plan of one lane whose every step is one LL slice runs its steps in order,
+    /// each whole (small calls: see `engine/in_order.rs`).
+    InOrder,
+}
+
+impl Schedule {
+    /// How `plan` runs with `ops` on `conns`: the same for every call of the plan on
+    /// buffers of the same element size, so a caller that repeats one call may keep it.
+    pub fn of(plan: &Plan, ops: &[OpBuffers], conns: &Connections) -> Schedule {
+        match in_order::lane_in_order(plan, ops, conns.slice_bytes(Protocol::LL)) {
+            Some(_) => Schedule::InOrder,
+            None => Schedule::Sweep,
+        }
+    }
+}
+
 /// Runs `plan` on this rank until every lane is done, or fails.
 ///
 /// # Safety
@@ -142,18 +163,38 @@ pub unsafe fn execute(
     conns: &mut Connections,
     call: &CallInfo,
 ) -> Result<()> {
+    let schedule = Schedule::of(plan, ops, conns);
+    // SAFETY: forwarded from this function's contract.
+    unsafe { execute_as(schedule, plan, ops, conns, call) }
+}
+
+/// [`execute`] with the plan's [`Schedule`] known (`Schedule::of` for the same plan and
+/// element size). Steps are traced only when the lanes are swept.
+///
+/// # Safety
+/// As [`execute`].
+pub unsafe fn execute_as(
+    schedule: Schedule,
+    plan: &Plan,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    call: &CallInfo,
+) -> Result<()> {
     let mut waiting = Waiting::default();
-    let in_order = in_order::lane_in_order(plan, ops, conns.slice_bytes(Protocol::LL))
-        .filter(|_| !crate::trace::tracing_steps());
+    let in_order = schedule == Schedule::InOrder && !crate::trace::tracing_steps();
     // SAFETY: forwarded from this function's contract.
     let result = unsafe {
-        match in_order {
-            Some(lane) => in_order::run_in_order(lane, ops, conns, call, &mut waiting),
-            None => run_lanes(plan, ops, conns, call, &mut waiting),
+        match &plan.lanes[..] {
+            [lane] if in_order => in_order::run_in_order(lane, ops, conns, call, &mut waiting),
+            _ => run_lanes(plan, ops, conns, call, &mut waiting),
         }
     };
     waiting.finish(conns);
-    result
+    // Rebuilt rather than moved (see `Communicator::run_in_turn`).
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Makes the FIFOs `plan` needs that this rank's connections lack (see
