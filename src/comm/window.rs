@@ -49,7 +49,7 @@ impl Communicator {
             );
         } else if let Ok(memory) = st.conns.peer_memory() {
             for (peer, bytes) in all.iter().enumerate() {
-                if peer == self.rank || memory.other_process(peer).is_none() {
+                if peer == self.rank || !memory.in_other_process(peer) {
                     continue;
                 }
                 // A peer without a window has its own verdict, sent below.

@@ -122,10 +122,10 @@ impl PeerMemory {
             .or_else(|| self.windows[peer].iter().find_map(|w| w.lookup(addr, len)))
     }
 
-    /// Rank `peer`'s process id when it is another process (whose windows this rank
-    /// maps); `None` for a thread of this one.
-    pub(crate) fn other_process(&self, peer: usize) -> Option<u32> {
-        (self.pids[peer] != self.own_pid).then_some(self.pids[peer])
+    /// Whether rank `peer` is another process (whose windows this rank maps), not a
+    /// thread of this one.
+    pub(crate) fn in_other_process(&self, peer: usize) -> bool {
+        self.pids[peer] != self.own_pid
     }
 
     /// Adds peers' mappings of a window: (peer, its mapped window) pairs.
