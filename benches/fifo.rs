@@ -1,0 +1,113 @@
+//! The LL FIFO's hand-off alone: `cargo bench --bench fifo`.
+//!
+//! Two threads, pinned to CPUs 0 and 1 where there are two, exchange a message per round
+//! through a pair of LL FIFOs in `/dev/shm` (the transport under a 2-rank 8-byte
+//! all-reduce): each writes its message, publishes it, waits for the peer's, adds it to
+//! its own and hands the slot back. Nothing else of a call runs (no plan, engine or
+//! communicator), so the time of a round against `ferroccl-limits`' cache-line floor is
+//! what the transport costs, and the rest of an `all_reduce_perf -b 8` call is software
+//! (measured 2026-11-27 on the project's 2-core VM: 0.069–0.086 µs a round, 1.5–1.7
+//! floors, against 0.31–0.35 µs for the whole call).
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use ferroccl::transport::fifo::{Geometry, RecvEnd, SendEnd, recv_end, send_end};
+use ferroccl::transport::segment::{Segment, SegmentKind};
+
+/// The sending end into, and the receiving end out of, a new LL FIFO in `/dev/shm`.
+fn fifo(tag: &str) -> (SendEnd, RecvEnd) {
+    let g = Geometry::ll(8, 16 << 10);
+    let name = format!("ferroccl-bench-fifo-{tag}-{}", std::process::id());
+    let seg = Segment::create(SegmentKind::Shm, &name, g.segment_bytes()).unwrap();
+    let rx = recv_end(seg, g).unwrap();
+    let seg = Segment::open(SegmentKind::Shm, &name, g.segment_bytes()).unwrap();
+    let tx = send_end(seg, g, &name).unwrap();
+    Segment::unlink(SegmentKind::Shm, &name);
+    (tx, rx)
+}
+
+/// Pins this thread to `cpu` when the machine has it (a round between two threads on
+/// one CPU measures the scheduler, not the hand-off).
+fn pin(cpu: usize) {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) <= cpu {
+        return;
+    }
+    // SAFETY: `set` is a plain bit set that lives for the call; sched_setaffinity reads
+    // it for its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// `rounds` exchanges of `N` f32 on one side; returns the sum of the last one.
+fn exchange<const N: usize>(tx: &mut SendEnd, rx: &mut RecvEnd, own: f32, rounds: u64) -> f32 {
+    let mine = [own; N];
+    let mut sum = [0f32; N];
+    let bytes = N * 4;
+    for _ in 0..rounds {
+        let slot = loop {
+            if let Some(p) = tx.try_reserve(bytes) {
+                break p;
+            }
+            std::hint::spin_loop();
+        };
+        // SAFETY: the reserved slot holds `bytes` (less than its payload) until commit.
+        unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr().cast::<u8>(), slot, bytes) };
+        tx.commit(bytes);
+        let (msg, len) = loop {
+            if let Some(m) = rx.try_peek() {
+                break m;
+            }
+            std::hint::spin_loop();
+        };
+        assert_eq!(len, bytes);
+        // SAFETY: the peeked slot holds `len` bytes and is this side's until release.
+        let theirs: [f32; N] = unsafe { std::ptr::read_unaligned(msg.cast()) };
+        for i in 0..N {
+            sum[i] = mine[i] + theirs[i];
+        }
+        rx.release();
+    }
+    std::hint::black_box(sum)[0]
+}
+
+fn ll_exchange(c: &mut Criterion) {
+    let mut group = c.benchmark_group("ll_fifo_exchange_2_threads");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let (mut tx01, mut rx01) = fifo("01");
+    let (mut tx10, mut rx10) = fifo("10");
+    std::thread::scope(|s| {
+        let (rounds_tx, rounds_rx) = mpsc::channel::<u64>();
+        s.spawn(move || {
+            pin(1);
+            for rounds in rounds_rx {
+                // The peer of rank 0's rounds: 1 + 2 = 3 in every slot.
+                let last = exchange::<2>(&mut tx10, &mut rx01, 2.0, rounds);
+                assert!(rounds == 0 || last == 3.0, "rank 1 summed {last}");
+            }
+        });
+        pin(0);
+        group.bench_function(BenchmarkId::new("f32", 8), |b| {
+            b.iter_custom(|rounds| {
+                rounds_tx.send(rounds).unwrap();
+                let start = Instant::now();
+                let last = exchange::<2>(&mut tx01, &mut rx10, 1.0, rounds);
+                let took = start.elapsed();
+                assert!(rounds == 0 || last == 3.0, "rank 0 summed {last}");
+                took
+            })
+        });
+        drop(rounds_tx);
+    });
+    group.finish();
+}
+
+criterion_group!(benches, ll_exchange);
+criterion_main!(benches);
