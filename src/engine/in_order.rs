@@ -7,8 +7,10 @@
 //! 2 ranks is a send and a receive-and-fold; here it is two passes of a loop.
 
 use super::waiting::{Look, Waiting};
-use super::{OpBuffers, local_step, move_slice, op_of};
-use crate::error::{CallInfo, Error, Result};
+use super::{
+    OpBuffers, local_step, move_slice, no_connection, op_of, step_blocked_on, wrong_slice,
+};
+use crate::error::{CallInfo, Result};
 use crate::plan::{Lane, Plan, Step};
 use crate::transport::{Connections, Protocol};
 
@@ -44,8 +46,6 @@ pub(super) unsafe fn run_in_order(
     call: &CallInfo,
     waiting: &mut Waiting,
 ) -> Result<()> {
-    #[cfg(feature = "fault-injection")]
-    crate::fault::arm(call.seq)?;
     let channel = lane.channel;
     for step in &lane.steps {
         #[cfg(feature = "fault-injection")]
@@ -100,22 +100,13 @@ impl OneStep<'_> {
         let bytes = self.bytes();
         let (send, recv) = conns.ends(channel, self.op.protocol, to, from);
         if to.is_some() != send.is_some() || from.is_some() != recv.is_some() {
-            return Err(Error::invalid(format!(
-                "engine: no connection for step `{step}` on channel {channel} (plan and \
-                 transport configuration disagree)"
-            )));
+            return Err(no_connection(step, channel));
         }
         let (mut send, mut recv) = (send, recv);
         let inbound = match recv.as_deref_mut() {
             Some(r) => match r.try_peek() {
                 Some((p, got)) if got == bytes => Some(p),
-                Some((_, got)) => {
-                    return Err(Error::invalid(format!(
-                        "engine: step `{step}` expected a slice of {bytes} bytes from rank \
-                         {} but got {got} (ranks called different operations or counts?)",
-                        from.unwrap_or(usize::MAX)
-                    )));
-                }
+                Some((_, got)) => return Err(wrong_slice(step, bytes, got)),
                 None => return Ok(false),
             },
             None => None,
@@ -153,19 +144,8 @@ impl OneStep<'_> {
 
 impl Look for OneStep<'_> {
     fn blocked_on(&mut self, conns: &mut Connections) -> Vec<usize> {
-        let (to, from) = (self.step.send_to(), self.step.recv_from());
-        let (send, recv) = conns.ends(self.channel, self.op.protocol, to, from);
         let mut peers = Vec::new();
-        if let (Some(p), Some(r)) = (from, recv)
-            && r.try_peek().is_none()
-        {
-            peers.push(p);
-        }
-        if let (Some(p), Some(s)) = (to, send)
-            && !s.has_room()
-        {
-            peers.push(p);
-        }
+        step_blocked_on(self.step, self.channel, self.op.protocol, conns, &mut peers);
         peers
     }
 

@@ -180,6 +180,8 @@ pub unsafe fn execute_as(
     conns: &mut Connections,
     call: &CallInfo,
 ) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    crate::fault::arm(call.seq)?;
     let mut waiting = Waiting::default();
     let in_order = schedule == Schedule::InOrder && !crate::trace::tracing_steps();
     // SAFETY: forwarded from this function's contract.
@@ -243,8 +245,6 @@ unsafe fn run_lanes(
     call: &CallInfo,
     waiting: &mut Waiting,
 ) -> Result<()> {
-    #[cfg(feature = "fault-injection")]
-    crate::fault::arm(call.seq)?;
     // Lane states on the stack for plans of up to 16 lanes (a small call allocates
     // nothing).
     let mut inline = [LaneState::default(); 16];
@@ -366,22 +366,59 @@ fn blocked_peers(
         let Some(step) = lane.steps.get(st.step).filter(|s| !s.is_local()) else {
             continue;
         };
-        let (to, from) = (step.send_to(), step.recv_from());
-        let (send, recv) = conns.ends(lane.channel, ops[op_of(step)].protocol, to, from);
-        if let (Some(p), Some(r)) = (from, recv)
-            && r.try_peek().is_none()
-        {
-            peers.push(p);
-        }
-        if let (Some(p), Some(s)) = (to, send)
-            && !s.has_room()
-        {
-            peers.push(p);
-        }
+        step_blocked_on(
+            step,
+            lane.channel,
+            ops[op_of(step)].protocol,
+            conns,
+            &mut peers,
+        );
     }
     peers.sort_unstable();
     peers.dedup();
     peers
+}
+
+/// Adds to `peers` those `step` waits on: the peer it receives from when nothing from it
+/// is ready, the peer it sends to when there is no room towards it.
+fn step_blocked_on(
+    step: &Step,
+    channel: usize,
+    protocol: Protocol,
+    conns: &mut Connections,
+    peers: &mut Vec<usize>,
+) {
+    let (to, from) = (step.send_to(), step.recv_from());
+    let (send, recv) = conns.ends(channel, protocol, to, from);
+    if let (Some(p), Some(r)) = (from, recv)
+        && r.try_peek().is_none()
+    {
+        peers.push(p);
+    }
+    if let (Some(p), Some(s)) = (to, send)
+        && !s.has_room()
+    {
+        peers.push(p);
+    }
+}
+
+/// The error of a step whose FIFOs this rank lacks.
+#[cold]
+fn no_connection(step: &Step, channel: usize) -> Error {
+    Error::invalid(format!(
+        "engine: no connection for step `{step}` on channel {channel} (plan and transport \
+         configuration disagree)"
+    ))
+}
+
+/// The error of a step that received `got` bytes from its peer where it expected `bytes`.
+#[cold]
+fn wrong_slice(step: &Step, bytes: usize, got: usize) -> Error {
+    Error::invalid(format!(
+        "engine: step `{step}` expected a slice of {bytes} bytes from rank {} but got {got} \
+         (ranks called different operations or counts?)",
+        step.recv_from().unwrap_or(usize::MAX)
+    ))
 }
 
 /// Address of element `skip` of `region`.
@@ -508,12 +545,7 @@ unsafe fn advance(
             from.is_some() == recv.is_some(),
         ) {
             (true, true) => (send, recv),
-            _ => {
-                return Err(Error::invalid(format!(
-                    "engine: no connection for step `{step}` on channel {channel} (plan and \
-                     transport configuration disagree)"
-                )));
-            }
+            _ => return Err(no_connection(step, channel)),
         };
         let mut rang_to = false;
         let mut rang_from = false;
@@ -524,12 +556,7 @@ unsafe fn advance(
                 Some(r) => match r.try_peek() {
                     Some((p, got)) => {
                         if got != bytes {
-                            return Err(Error::invalid(format!(
-                                "engine: step `{step}` expected a slice of {bytes} bytes from \
-                                 rank {} but got {got} (ranks called different operations or \
-                                 counts?)",
-                                from.unwrap_or(usize::MAX)
-                            )));
+                            return Err(wrong_slice(step, bytes, got));
                         }
                         Some(p)
                     }
