@@ -878,7 +878,7 @@ impl Communicator {
             .and_then(|c| c.schedule)
             .unwrap_or_else(|| engine::Schedule::of(plan, ops, &st.conns));
         // SAFETY: forwarded from this function's contract.
-        unsafe { engine::execute_as(schedule, plan, ops, &mut st.conns, call) }?;
+        unsafe { engine::execute(schedule, plan, ops, &mut st.conns, call) }?;
         if fused.is_none()
             && let Some(c) = st.last_plan.as_mut()
         {

@@ -9,10 +9,10 @@
 //! sweep and runs its steps in order (`engine/in_order.rs`).
 //!
 //! When a sweep moves nothing the rank waits (`engine/waiting.rs`), in three stages so
-//! that eight ranks on two cores still run at full speed: a short spin (a reply from a rank on another core
-//! takes well under a microsecond), then a few `sched_yield`s (let a rank that shares
-//! this core run), then sleep on the rank's [bell](crate::transport::bell) until a peer
-//! rings it. Each sleep is bounded, so the deadline is honoured and dead peers are
+//! that eight ranks on two cores still run at full speed: a short spin (a reply from a
+//! rank on another core takes well under a microsecond), then a few `sched_yield`s (let
+//! a rank that shares this core run), then sleep on the rank's
+//! [bell](crate::transport::bell) until a peer rings it. Each sleep is bounded, so the deadline is honoured and dead peers are
 //! noticed: before sleeping the engine looks at the peers it waits on — a peer that
 //! closed its communicator, or whose process is gone, ends the call with
 //! [`Error::PeerFailed`] naming the rank that failed first.
@@ -129,7 +129,7 @@ impl StepTrace {
     }
 }
 
-/// How [`execute_as`] runs a plan.
+/// How [`execute`] runs a plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
     /// Every lane progresses together: the engine sweeps over them, a slice at a time.
@@ -150,7 +150,9 @@ impl Schedule {
     }
 }
 
-/// Runs `plan` on this rank until every lane is done, or fails.
+/// Runs `plan` on this rank until every lane is done, or fails, as `schedule` says
+/// ([`Schedule::of`] that plan and element size). Steps are traced only when the
+/// lanes are swept.
 ///
 /// # Safety
 /// Every region of the plan must lie inside the buffer it names in `ops` (input regions
@@ -158,22 +160,6 @@ impl Schedule {
 /// anything else for the whole call, and input and output may overlap only as the plan's
 /// collective allows for in-place calls.
 pub unsafe fn execute(
-    plan: &Plan,
-    ops: &[OpBuffers],
-    conns: &mut Connections,
-    call: &CallInfo,
-) -> Result<()> {
-    let schedule = Schedule::of(plan, ops, conns);
-    // SAFETY: forwarded from this function's contract.
-    unsafe { execute_as(schedule, plan, ops, conns, call) }
-}
-
-/// [`execute`] with the plan's [`Schedule`] known (`Schedule::of` for the same plan and
-/// element size). Steps are traced only when the lanes are swept.
-///
-/// # Safety
-/// As [`execute`].
-pub unsafe fn execute_as(
     schedule: Schedule,
     plan: &Plan,
     ops: &[OpBuffers],
