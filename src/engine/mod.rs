@@ -177,7 +177,7 @@ pub unsafe fn execute(
             _ => run_lanes(plan, ops, conns, call, &mut waiting),
         }
     };
-    waiting.finish(conns);
+    waiting.finish(conns, result.is_ok());
     // Rebuilt rather than moved (see `Communicator::run_in_turn`).
     match result {
         Ok(()) => Ok(()),

@@ -177,11 +177,16 @@ impl Waiting {
         Ok(())
     }
 
-    /// The call is over: between calls this rank waits on no one, and the TCP receive
-    /// proxies read the links.
-    pub(super) fn finish(self, conns: &mut Connections) {
+    /// The call is over: the TCP receive proxies read the links, and after a call that
+    /// `succeeded` this rank waits on no one.
+    ///
+    /// A failed call keeps its list until the communicator is closed (every failure
+    /// closes it, naming the culprit): a peer that timed out too may be following the
+    /// chain of waits through this rank (`Connections::stalled_rank`) in between, and an
+    /// empty list there would end the chain one rank short of the one that stalled it.
+    pub(super) fn finish(self, conns: &mut Connections, succeeded: bool) {
         conns.stop_reading();
-        if self.announced {
+        if self.announced && succeeded {
             conns.bell().set_waiting_on(&[]);
         }
     }
