@@ -163,6 +163,51 @@ fn ranks_with_different_settings_fail_at_init() {
     }
 }
 
+/// Ranks that call the same collective with different counts fail with both sizes
+/// named, never with data: 2 floats against 3 on two ranks, once with LL (a small plan,
+/// run in order) and once with Simple (the lanes swept).
+#[test]
+fn ranks_that_call_with_different_counts_fail_naming_the_sizes() {
+    for protocol in [Protocol::LL, Protocol::Simple] {
+        let mut c = config(1);
+        c.protocols = vec![protocol];
+        c.timeout = Duration::from_secs(20);
+        let comms = Communicator::init_all_with(2, c).unwrap();
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    s.spawn(move || {
+                        let mut buf = vec![1.0f32; 2 + rank];
+                        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                            .unwrap_err()
+                            .to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, e) in errors.iter().enumerate() {
+            let (want, got) = if rank == 0 { (8, 12) } else { (12, 8) };
+            // A rank may also learn of the mismatch from its peer, which aborted first.
+            assert!(
+                e.contains(&format!(
+                    "expected a slice of {want} bytes from rank {}",
+                    1 - rank
+                )) && e.contains(&format!("but got {got}"))
+                    && e.contains("different operations or counts")
+                    || e.contains(&format!("rank {} failed", 1 - rank)),
+                "{protocol:?}, rank {rank}: {e}"
+            );
+        }
+        assert!(
+            errors.iter().any(|e| e.contains("expected a slice of")),
+            "{protocol:?}: no rank named the sizes: {errors:?}"
+        );
+    }
+}
+
 #[test]
 fn one_rank() {
     check_ranks(1, 1);
