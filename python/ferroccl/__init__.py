@@ -4,6 +4,8 @@
   all-gather, reduce-scatter, all-to-all, gather, scatter, send/recv, groups, split,
   abort) on numpy arrays, any C-contiguous buffer, and CPU torch tensors, in their own
   memory. Calls block with the GIL released.
+- :class:`SharedMemory` and :meth:`Communicator.register_window`: buffers that ranks in
+  other processes of the host read in place (``ncclMemAlloc``, windows).
 - :mod:`ferroccl.torch`: the ``torch.distributed`` backend, ``init_process_group("ferroccl")``.
 
 Errors are :class:`FerrocclError` (a ``RuntimeError``) whose text names the rank, the
@@ -23,7 +25,9 @@ from ._ferroccl import (
     FerrocclTimeoutError,
     InvalidArgumentError,
     ProcessGroup,
+    SharedMemory,
     UniqueId,
+    Window,
     Work,
     __version__,
 )
@@ -34,7 +38,9 @@ __all__ = [
     "FerrocclTimeoutError",
     "InvalidArgumentError",
     "ProcessGroup",
+    "SharedMemory",
     "UniqueId",
+    "Window",
     "Work",
     "__version__",
     "group",

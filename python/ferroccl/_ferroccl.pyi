@@ -78,8 +78,39 @@ class Communicator:
     def group_end(self) -> None: ...
     def group_discard(self) -> None: ...
     def split(self, color: int | None, key: int = 0) -> Communicator | None: ...
+    def register_window(self, buf: Buffer) -> Window:
+        """Registers ``buf`` as a window (``ncclCommWindowRegister``): collective, in call
+        order. ``buf`` must lie in one :class:`SharedMemory` (sizes may differ across
+        ranks); ranks that are other processes of the host then read it in place. Fails
+        on every rank, naming the rank, if any rank's buffer is not such memory."""
+
+    def deregister_window(self, window: Window) -> None:
+        """Ends a window (``ncclCommWindowDeregister``): collective, in call order."""
+
     def abort(self) -> None: ...
     def failure(self) -> str | None: ...
+
+class SharedMemory:
+    """``nbytes`` zeroed bytes that every process of the host can map (``ncclMemAlloc``
+    on the host): the memory windows are made of. numpy sees it through
+    ``__array_interface__`` (``numpy.asarray(mem).view(numpy.float32)``; torch:
+    ``torch.from_numpy`` of that), and the array keeps it alive."""
+
+    def __init__(self, nbytes: int) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...
+
+class Window:
+    """A registered window (:meth:`Communicator.register_window`); it keeps its memory
+    mapped for the peers until :meth:`Communicator.deregister_window`."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def registered(self) -> bool: ...
 
 class Work:
     """The handle of an issued call."""

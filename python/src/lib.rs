@@ -8,6 +8,8 @@
 //! - `process_group.rs`: `ProcessGroup`, the `pg` layer (flight recorder, watchdog,
 //!   desync check) with torch's backend methods, each returning a `Work` (`work.rs`);
 //!   `ferroccl.torch` wraps it as a `torch.distributed` backend.
+//! - `window.rs`: `SharedMemory` (`ncclMemAlloc` on the host) and the `Window` that
+//!   `Communicator.register_window` makes of it (`ncclCommWindowRegister`).
 //! - `unique_id.rs`: `UniqueId` (`ncclUniqueId`); `store.rs`: Python stores as
 //!   ferroccl's; `buffers.rs`: the memory Python lends, its dtypes; `calls.rs`: ops and
 //!   the calls built from Python arguments; `errors.rs`: the exception types.
@@ -24,6 +26,7 @@ mod errors;
 mod process_group;
 mod store;
 mod unique_id;
+mod window;
 mod work;
 
 use pyo3::prelude::*;
@@ -31,6 +34,7 @@ use pyo3::prelude::*;
 use communicator::Communicator;
 use process_group::ProcessGroup;
 use unique_id::UniqueId;
+use window::{SharedMemory, Window};
 use work::Work;
 
 /// The extension module.
@@ -41,6 +45,8 @@ fn _ferroccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Communicator>()?;
     m.add_class::<ProcessGroup>()?;
     m.add_class::<Work>()?;
+    m.add_class::<SharedMemory>()?;
+    m.add_class::<Window>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

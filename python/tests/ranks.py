@@ -546,8 +546,58 @@ def cuda() -> None:
     emit(checked)
 
 
+def windows() -> None:
+    """Collectives on buffers in ``ferroccl.SharedMemory`` registered as windows (the
+    ranks are processes, so peers read them in place), on numpy arrays and a torch
+    tensor over the same memory, each against the serial reference; a buffer outside
+    such memory is refused on every rank, and the communicator works on after it."""
+    import numpy as np
+
+    import ferroccl
+
+    comm = ferroccl.Communicator.from_env()
+    count = (1 << 20) + 3  # 4 MiB of float32: large enough for single copy
+    inputs = [data(r, count, torch.float32).numpy() for r in range(WORLD)]
+    mem = ferroccl.SharedMemory(4 * count * (2 + WORLD))
+    arr = np.asarray(mem).view(np.float32)
+    send, recv, gathered = arr[:count], arr[count : 2 * count], arr[2 * count :]
+    window = comm.register_window(arr)
+    total = reference("SUM", [torch.from_numpy(x) for x in inputs]).numpy()
+    checked: dict[str, Any] = {"window": repr(window), "memory": len(mem) == mem.nbytes == arr.nbytes}
+    send[:] = inputs[RANK]
+    comm.all_reduce(send, recv)
+    checked["all_reduce"] = bool(np.array_equal(recv, total))
+    recv[:] = inputs[RANK]
+    comm.all_reduce(recv)
+    checked["all_reduce in place"] = bool(np.array_equal(recv, total))
+    tensor = torch.from_numpy(recv)
+    tensor.copy_(torch.from_numpy(inputs[RANK]))
+    comm.all_reduce(tensor, op="max")
+    want = reference("MAX", [torch.from_numpy(x) for x in inputs])
+    checked["all_reduce max on a torch tensor"] = same(tensor, want)
+    comm.all_gather(send, gathered)
+    checked["all_gather"] = bool(np.array_equal(gathered, np.concatenate(inputs)))
+    share = count // WORLD
+    comm.reduce_scatter(gathered[: share * WORLD], recv[:share])
+    gathered_everywhere = np.concatenate(inputs)[: share * WORLD]
+    want = WORLD * gathered_everywhere[RANK * share : (RANK + 1) * share]
+    checked["reduce_scatter"] = bool(np.array_equal(recv[:share], want))
+    send[:] = inputs[RANK]
+    comm.broadcast(send, root=WORLD - 1)
+    checked["broadcast"] = bool(np.array_equal(send, inputs[WORLD - 1]))
+    comm.deregister_window(window)
+    checked["deregistered"] = not window.registered
+    checked["twice"] = failure(lambda: comm.deregister_window(window))
+    checked["outside"] = failure(lambda: comm.register_window(np.zeros(16, np.float32)))
+    small = np.full(5, float(RANK + 1), np.float32)
+    comm.all_reduce(small)
+    checked["after"] = small.tolist()
+    emit(checked)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     "cuda": cuda,
+    "windows": windows,
     "split": split,
     "waits": waits,
     "desync": desync,

@@ -1,0 +1,28 @@
+"""Windows from Python: ``ferroccl.SharedMemory`` registered with
+``Communicator.register_window`` between ranks that are processes (``ranks.py
+windows``), where peers read each other's buffers in place."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import launch
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_windows_of_shared_memory_between_processes(world: int) -> None:
+    """Ranks as processes (``ranks.py windows``): calls on registered ``SharedMemory``
+    take single copy and match the reference; plain memory is refused with its reason."""
+    ranks = launch("windows", world, env={"FERROCCL_DEBUG": "INFO"})
+    results = ranks.check()
+    for rank, r in enumerate(results):
+        for what in ["memory", "all_reduce", "all_reduce in place", "all_reduce max on a torch tensor", "all_gather"]:
+            assert r[what] is True, f"rank {rank}: {what}: {r}"
+        assert r["reduce_scatter"] is True and r["broadcast"] is True and r["deregistered"] is True, r
+        assert r["window"].startswith("<ferroccl.Window of "), r
+        assert "deregistered already" in r["twice"], r
+        assert r["outside"].startswith("InvalidArgumentError"), r
+        assert "not in one allocation of shared memory" in r["outside"], r
+        assert r["after"] == [world * (world + 1) / 2] * 5, r
+        # Peers read the window in place: the large calls took single copy.
+        assert "B uses" in ranks.outputs[rank] and "SingleCopy" in ranks.outputs[rank], ranks.outputs[rank]
