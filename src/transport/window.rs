@@ -312,5 +312,25 @@ mod tests {
         };
         let err = PeerWindow::map(3, 1, &wrong).unwrap_err();
         assert!(err.contains("rank 1") && err.contains("/fd/9999"), "{err}");
+        // A peer claiming more bytes than its memory holds is refused, not mapped (a
+        // read past the file's end would fault).
+        let longer = Published {
+            len: published.len + 1,
+            ..published
+        };
+        let err = PeerWindow::map(3, 1, &longer).unwrap_err();
+        assert!(
+            err.contains("rank 1's window memory") && err.contains("holds 12293 bytes, not 12294"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shared_memory_the_kernel_cannot_give_is_an_error_naming_the_size() {
+        let err = SharedMemory::new(usize::MAX).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("shared memory of {} bytes: ftruncate", usize::MAX)),
+            "{err}"
+        );
     }
 }
