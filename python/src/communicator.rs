@@ -399,12 +399,8 @@ impl Communicator {
     /// on every rank, naming the rank, if any rank's buffer is not such memory.
     fn register_window(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<Window> {
         let lent = Lent::borrow(buf, "register_window: buf", true)?;
-        if lent.device.is_some() {
-            return Err(errors::value_error(
-                "register_window: buf is CUDA memory; windows here are host memory in a                  ferroccl.SharedMemory"
-                    .into(),
-            ));
-        }
+        // Memory outside a SharedMemory (CUDA memory included) is refused by the core, on
+        // every rank, naming the rank.
         let (addr, nbytes) = (lent.ptr as usize, lent.bytes);
         let comm = &self.comm;
         // SAFETY: the window keeps the allocation the bytes lie in mapped (the core
