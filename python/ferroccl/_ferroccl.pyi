@@ -193,3 +193,10 @@ class ProcessGroup:
     def failure(self) -> str | None: ...
     def sequence_number(self) -> int: ...
     def flight_recorder(self) -> str: ...
+    def register_window(self, buf: Buffer) -> Window:
+        """Registers ``buf`` (in one :class:`SharedMemory`) as a window of the group:
+        collective, in call order with the group's calls; refused inside a coalescing
+        window."""
+
+    def deregister_window(self, window: Window) -> None:
+        """Ends a window made by :meth:`register_window`: collective, in call order."""

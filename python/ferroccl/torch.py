@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from . import _ferroccl
 
-__all__ = ["FerrocclBackend", "register"]
+__all__ = ["FerrocclBackend", "deregister_window", "empty_shared", "register", "register_window"]
 
 NAME = "ferroccl"
 
@@ -431,6 +431,66 @@ class FerrocclBackend(_C10dBackend):
     def flight_recorder(self) -> str:
         """The flight recorder as JSON text (the last calls, their state and times)."""
         return self._pg.flight_recorder()
+
+    def register_window(self, tensor: torch.Tensor) -> _ferroccl.Window:
+        """Registers ``tensor``'s memory as a window of this group (collective, in call
+        order): it must lie in one :class:`ferroccl.SharedMemory` (see
+        :func:`empty_shared`). Calls on it then read the peers' tensors in place."""
+        return self._pg.register_window(_window_memory(tensor))
+
+    def deregister_window(self, window: _ferroccl.Window) -> None:
+        """Ends a window made by :meth:`register_window` (collective, in call order)."""
+        self._pg.deregister_window(window)
+
+
+def empty_shared(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised (zeroed) CPU tensor in a new :class:`ferroccl.SharedMemory`, the
+    memory :func:`register_window` takes (``ncclMemAlloc``'s role; the tensor keeps the
+    memory alive)."""
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    count = 1
+    for n in shape:
+        count *= int(n)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    import numpy  # noqa: PLC0415 (numpy is torch's, needed only here)
+
+    raw = torch.from_numpy(numpy.asarray(_ferroccl.SharedMemory(count * itemsize)))
+    return raw[: count * itemsize].view(dtype).view(shape)
+
+
+def _window_memory(tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"register_window: a CPU tensor is needed, not {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"register_window: windows are host memory; the tensor is on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("register_window: the tensor must be contiguous (one range of memory)")
+    return tensor
+
+
+def _backend_of(group: Any) -> FerrocclBackend:
+    """The ferroccl backend of ``group`` (the default group when None) for CPU tensors."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, FerrocclBackend):
+        raise ValueError(
+            f"the group's backend for CPU tensors is {dist.get_backend(pg)!r}, not {NAME!r}: windows are ferroccl's"
+        )
+    return backend
+
+
+def register_window(tensor: torch.Tensor, group: Any = None) -> _ferroccl.Window:
+    """Registers ``tensor`` (in :class:`ferroccl.SharedMemory`, e.g. from
+    :func:`empty_shared`) as a window of ``group`` (default: the world), collective over
+    it as ``ncclCommWindowRegister`` is: collectives of the group on tensors in it then
+    read the peers' buffers in place (single copy) instead of through the shared-memory
+    FIFOs. Ranks must register in the same order; sizes may differ."""
+    return _backend_of(group).register_window(tensor)
+
+
+def deregister_window(window: _ferroccl.Window, group: Any = None) -> None:
+    """Ends a window made by :func:`register_window` on the same group (collective)."""
+    _backend_of(group).deregister_window(window)
 
 
 def _monitored_barrier(store: Any, rank: int, size: int, timeout: float, wait_all_ranks: bool) -> None:

@@ -11,7 +11,7 @@ use crate::buffers::Lent;
 use crate::calls::{AtRoot, Batch, Builder, parse_op};
 use crate::errors::{self, IntoPy};
 use crate::unique_id::UniqueId;
-use crate::window::Window;
+use crate::window::{self, Window};
 
 /// One rank's communicator: NCCL's API on buffers Python lends (numpy arrays, any
 /// C-contiguous buffer, CPU torch tensors). Every call blocks until this rank's part
@@ -398,31 +398,13 @@ impl Communicator {
     /// ranks); ranks that are other processes of the host then read it in place. Fails
     /// on every rank, naming the rank, if any rank's buffer is not such memory.
     fn register_window(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<Window> {
-        let lent = Lent::borrow(buf, "register_window: buf", true)?;
-        // Memory outside a SharedMemory (CUDA memory included) is refused by the core, on
-        // every rank, naming the rank.
-        let (addr, nbytes) = (lent.ptr as usize, lent.bytes);
-        let comm = &self.comm;
-        // SAFETY: the window keeps the allocation the bytes lie in mapped (the core
-        // checks they lie in one) until it is deregistered, so a peer never reads
-        // unmapped memory; what the bytes hold while calls run is the caller's, as for
-        // any call's buffers.
-        let window = py
-            .detach(|| unsafe { comm.register_window(addr as *mut u8, nbytes) })
-            .py_err()?;
-        Ok(Window::new(window, nbytes))
+        window::register(py, &self.comm, buf)
     }
 
     /// Ends a window made by `register_window` (`ncclCommWindowDeregister`):
     /// collective, in call order.
     fn deregister_window(&self, py: Python<'_>, window: &Window) -> PyResult<()> {
-        let Some(w) = window.take() else {
-            return Err(errors::value_error(
-                "deregister_window: the window was deregistered already".into(),
-            ));
-        };
-        let comm = &self.comm;
-        py.detach(|| comm.deregister_window(w)).py_err()
+        window::deregister(py, &self.comm, window)
     }
 
     /// Aborts (`ncclCommAbort`): calls running on other threads and later ones fail, and

@@ -10,6 +10,7 @@ use crate::buffers::Lent;
 use crate::calls::{AtRoot, Batch, Builder, parse_op};
 use crate::communicator::enqueue_cuda;
 use crate::errors::{self, IntoPy};
+use crate::window::{self, Window};
 use crate::work::{Failure, Work};
 
 /// A process group of the `pg` layer, with `torch.distributed`'s backend methods: each
@@ -47,6 +48,24 @@ impl ProcessGroup {
                     self.rank
                 ))
             })
+    }
+
+    /// Refuses `what` while a coalescing window is open: its calls have not run yet, so
+    /// `what` would overtake them.
+    fn outside_coalescing(&self, what: &str) -> PyResult<()> {
+        if self
+            .coalescing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+        {
+            return Err(errors::value_error(format!(
+                "rank {}: {what} inside a coalescing window (start_coalescing … \
+                 end_coalescing) would overtake its queued calls; call it outside",
+                self.rank
+            )));
+        }
+        Ok(())
     }
 
     fn builder(&self) -> Builder {
@@ -514,6 +533,21 @@ impl ProcessGroup {
     /// Sequence number of the next collective.
     fn sequence_number(&self) -> PyResult<u64> {
         Ok(self.live()?.sequence_number())
+    }
+
+    /// Registers `buf` as a window of the group (`ncclCommWindowRegister`): collective,
+    /// in call order with the group's calls. `buf` must lie in one `SharedMemory`; calls
+    /// on it then read peers' buffers in place (single copy) between rank processes.
+    fn register_window(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<Window> {
+        self.outside_coalescing("register_window")?;
+        window::register(py, self.live()?.communicator(), buf)
+    }
+
+    /// Ends a window made by `register_window` (`ncclCommWindowDeregister`):
+    /// collective, in call order with the group's calls.
+    fn deregister_window(&self, py: Python<'_>, window: &Window) -> PyResult<()> {
+        self.outside_coalescing("deregister_window")?;
+        window::deregister(py, self.live()?.communicator(), window)
     }
 
     /// The flight recorder as JSON text (the last calls, their state and times).

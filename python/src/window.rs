@@ -6,11 +6,44 @@
 
 use std::sync::Mutex;
 
+use ferroccl::Communicator;
 use ferroccl::transport::window;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::IntoPy;
+use crate::buffers::Lent;
+use crate::errors::{self, IntoPy};
+
+/// Registers `buf` as a window of `comm` (`ncclCommWindowRegister`): collective, in call
+/// order, for `Communicator.register_window` and `ProcessGroup.register_window` alike.
+pub(crate) fn register(
+    py: Python<'_>,
+    comm: &Communicator,
+    buf: &Bound<'_, PyAny>,
+) -> PyResult<Window> {
+    let lent = Lent::borrow(buf, "register_window: buf", true)?;
+    // Memory outside a SharedMemory (CUDA memory included) is refused by the core, on
+    // every rank, naming the rank.
+    let (addr, nbytes) = (lent.ptr as usize, lent.bytes);
+    // SAFETY: the window keeps the allocation the bytes lie in mapped (the core checks
+    // they lie in one) until it is deregistered, so a peer never reads unmapped memory;
+    // what the bytes hold while calls run is the caller's, as for any call's buffers.
+    let window = py
+        .detach(|| unsafe { comm.register_window(addr as *mut u8, nbytes) })
+        .py_err()?;
+    Ok(Window::new(window, nbytes))
+}
+
+/// Ends `window` on `comm` (`ncclCommWindowDeregister`): collective, in call order; a
+/// second deregistration is refused.
+pub(crate) fn deregister(py: Python<'_>, comm: &Communicator, window: &Window) -> PyResult<()> {
+    let Some(w) = window.take() else {
+        return Err(errors::value_error(
+            "deregister_window: the window was deregistered already".into(),
+        ));
+    };
+    py.detach(|| comm.deregister_window(w)).py_err()
+}
 
 /// `nbytes` zeroed bytes that every process of the host can map: the memory windows
 /// are made of. numpy sees it through `__array_interface__`
@@ -73,7 +106,7 @@ pub struct Window {
 }
 
 impl Window {
-    pub(crate) fn new(window: window::Window, nbytes: usize) -> Self {
+    fn new(window: window::Window, nbytes: usize) -> Self {
         Window {
             window: Mutex::new(Some(window)),
             nbytes,
@@ -81,7 +114,7 @@ impl Window {
     }
 
     /// The core's window, taken out (`None`: already deregistered).
-    pub(crate) fn take(&self) -> Option<window::Window> {
+    fn take(&self) -> Option<window::Window> {
         self.window.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }

@@ -595,9 +595,62 @@ def windows() -> None:
     emit(checked)
 
 
+def torch_windows() -> None:
+    """The same through ``torch.distributed`` on the ferroccl backend: tensors from
+    ``ferroccl.torch.empty_shared`` registered with ``ferroccl.torch.register_window``
+    (two windows, float32 and bfloat16), each collective against the serial reference,
+    synchronous and asynchronous; what is refused, and the group working on after it."""
+    import ferroccl.torch as ft
+
+    dist.init_process_group("ferroccl", timeout=timedelta(seconds=60))
+    count = (1 << 20) + 3  # 4 MiB of float32: large enough for single copy
+    inputs = [data(r, count, torch.float32) for r in range(WORLD)]
+    total = reference("SUM", inputs)
+    block = ft.empty_shared(count * (2 + WORLD))
+    halves = ft.empty_shared(2, count, dtype=torch.bfloat16)
+    send, recv, gathered = block[:count], block[count : 2 * count], block[2 * count :]
+    windows = [ft.register_window(block), ft.register_window(halves)]
+    checked: dict[str, Any] = {
+        "shapes": [list(halves.shape), str(halves.dtype), block.numel()],
+        "zeroed": bool(torch.count_nonzero(block) == 0),
+    }
+    send.copy_(inputs[RANK])
+    dist.all_reduce(send)
+    checked["all_reduce"] = torch.equal(send, total)
+    recv.copy_(inputs[RANK])
+    dist.all_reduce(recv, op=dist.ReduceOp.MAX, async_op=True).wait()
+    checked["all_reduce max, async"] = torch.equal(recv, reference("MAX", inputs))
+    halves[0].copy_(inputs[RANK])
+    dist.all_reduce(halves[0], op=dist.ReduceOp.AVG)
+    checked["all_reduce avg, bfloat16"] = same(halves[0], reference("AVG", [x.bfloat16() for x in inputs]))
+    send.copy_(inputs[RANK])
+    dist.all_gather_into_tensor(gathered, send)
+    checked["all_gather"] = torch.equal(gathered, torch.cat(inputs))
+    share = count // WORLD
+    dist.reduce_scatter_tensor(recv[:share], gathered[: share * WORLD])
+    checked["reduce_scatter"] = torch.equal(recv[:share], WORLD * torch.cat(inputs)[RANK * share : (RANK + 1) * share])
+    send.copy_(inputs[RANK])
+    dist.broadcast(send, src=WORLD - 1)
+    checked["broadcast"] = torch.equal(send, inputs[WORLD - 1])
+    for w in windows:
+        ft.deregister_window(w)
+    checked["deregistered"] = [w.registered for w in windows]
+    checked["twice"] = failure(lambda: ft.deregister_window(windows[0]))
+    checked["outside"] = failure(lambda: ft.register_window(torch.zeros(16)))
+    checked["strided"] = failure(lambda: ft.register_window(block[::2]))
+    gloo = dist.new_group(backend="gloo")
+    checked["gloo group"] = failure(lambda: ft.register_window(block, group=gloo))
+    small = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(small)
+    checked["after"] = small.tolist()
+    dist.destroy_process_group()
+    emit(checked)
+
+
 SCENARIOS: dict[str, Callable[..., None]] = {
     "cuda": cuda,
     "windows": windows,
+    "torch_windows": torch_windows,
     "split": split,
     "waits": waits,
     "desync": desync,

@@ -26,3 +26,24 @@ def test_windows_of_shared_memory_between_processes(world: int) -> None:
         assert r["after"] == [world * (world + 1) / 2] * 5, r
         # Peers read the window in place: the large calls took single copy.
         assert "B uses" in ranks.outputs[rank] and "SingleCopy" in ranks.outputs[rank], ranks.outputs[rank]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_windows_through_the_torch_backend(world: int) -> None:
+    """``ranks.py torch_windows``: ``torch.distributed`` collectives on tensors in
+    registered windows take single copy and match the reference; misuse is refused."""
+    ranks = launch("torch_windows", world, env={"FERROCCL_DEBUG": "INFO"})
+    for rank, r in enumerate(ranks.check()):
+        assert r["shapes"] == [[2, (1 << 20) + 3], "torch.bfloat16", ((1 << 20) + 3) * (2 + world)], r
+        assert r["zeroed"] is True, r
+        for what in ["all_reduce", "all_reduce max, async", "all_reduce avg, bfloat16", "all_gather"]:
+            assert r[what] is True, f"rank {rank}: {what}: {r}"
+        assert r["reduce_scatter"] is True and r["broadcast"] is True, r
+        assert r["deregistered"] == [False, False], r
+        assert "deregistered already" in r["twice"], r
+        assert "not in one allocation of shared memory" in r["outside"], r
+        assert r["strided"].startswith("ValueError") and "contiguous" in r["strided"], r
+        assert "'gloo'" in r["gloo group"] and "not 'ferroccl'" in r["gloo group"], r
+        assert r["after"] == [world * (world + 1) / 2] * 5, r
+        # The backend's calls on window tensors read the peers' in place.
+        assert "SingleCopy" in ranks.outputs[rank], ranks.outputs[rank]
