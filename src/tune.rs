@@ -47,7 +47,8 @@
 //!
 //! The parameters have defaults measured on the project's 2-core machine;
 //! `ferroccl-tune measure` measures them anywhere, and `FERROCCL_TUNE_LOCAL`,
-//! `FERROCCL_TUNE_LOCAL_LL` and `FERROCCL_TUNE_NET` (`alpha_us,gbps`) set them. All ranks
+//! `FERROCCL_TUNE_LOCAL_LL`, `FERROCCL_TUNE_LOCAL_SINGLE`, `FERROCCL_TUNE_LOCAL_IN_PLACE`
+//! and `FERROCCL_TUNE_NET` (`alpha_us,gbps`) set them. All ranks
 //! use rank 0's model (exchanged at initialisation), so they always agree.
 
 use crate::error::{Error, Result};
@@ -85,17 +86,6 @@ impl LinkCost {
     pub fn rdma(gbps: f64) -> Self {
         LinkCost::new(5.0, gbps / 8.0)
     }
-
-    /// Single copy between threads of one process, where the receiver works straight
-    /// from the sender's buffer (no system call, no staging): α as between processes
-    /// (a descriptor, then its release), and twice the Simple FIFO's bandwidth, for one
-    /// pass where the FIFO makes two. Measured, 2 threads, ring, busbw, interleaved
-    /// runs (2026-11-27): 512 KiB 5.3–12.2 GB/s against Simple's 5.0–5.9, 2 MiB 10.7–16.1
-    /// against 6.2–7.8, 8 MiB 5.4–6.0 against 2.0–4.0.
-    pub const IN_PROCESS_SINGLE: LinkCost = LinkCost {
-        alpha: 2.3e-6,
-        beta: 20e9,
-    };
 
     /// Whether two costs agree to a part in a billion (a cost that went through its
     /// text form, [`LinkCost::to_text`], may differ from the original in the last bit).
@@ -216,6 +206,9 @@ pub struct CostModel {
     /// Between ranks of one host, single copy (the receiver reads the sender's buffer:
     /// a descriptor's hand-off and a system call per piece, then one pass over memory).
     pub local_single: LinkCost,
+    /// Between ranks of one host, single copy read in place: from a thread of the same
+    /// process, or from a window every peer mapped (no system call, no staging).
+    pub local_in_place: LinkCost,
     /// Between hosts (TCP).
     pub net: LinkCost,
 }
@@ -236,19 +229,26 @@ impl Default for CostModel {
     /// then a system call) and moves 4.9 GB/s (2026-11-25: the kernel's cross-memory
     /// copy runs at 5.3 GB/s where `memcpy` runs at 9.4, so on this machine it loses to
     /// two copies through a cache-resident FIFO and the model never picks it unless
-    /// told to); loopback TCP through the proxies takes ~30 µs a step and ~1.6 GB/s.
+    /// told to). Read in place (threads, windows) it hands off as single copy does (a
+    /// descriptor, then its release) at twice the Simple FIFO's bandwidth, one pass where
+    /// the FIFO makes two (2 threads, ring, busbw, interleaved runs, 2026-11-27: 512 KiB
+    /// 5.3–12.2 GB/s against Simple's 5.0–5.9, 2 MiB 10.7–16.1 against 6.2–7.8, 8 MiB
+    /// 5.4–6.0 against 2.0–4.0). Loopback TCP through the proxies takes ~30 µs a step
+    /// and ~1.6 GB/s.
     fn default() -> Self {
         CostModel {
             local: LinkCost::new(1.0, 10.0),
             local_ll: LinkCost::new(0.9, 7.5),
             local_single: LinkCost::new(2.3, 4.9),
+            local_in_place: LinkCost::new(2.3, 20.0),
             net: LinkCost::new(30.0, 1.6),
         }
     }
 }
 
 impl CostModel {
-    /// Defaults with `FERROCCL_TUNE_LOCAL` / `FERROCCL_TUNE_LOCAL_LL` /
+    /// Defaults with `FERROCCL_TUNE_LOCAL`, `FERROCCL_TUNE_LOCAL_LL`,
+    /// `FERROCCL_TUNE_LOCAL_SINGLE`, `FERROCCL_TUNE_LOCAL_IN_PLACE` and
     /// `FERROCCL_TUNE_NET` applied.
     pub fn from_env() -> Result<Self> {
         let mut m = CostModel::default();
@@ -256,6 +256,7 @@ impl CostModel {
             ("FERROCCL_TUNE_LOCAL", &mut m.local),
             ("FERROCCL_TUNE_LOCAL_LL", &mut m.local_ll),
             ("FERROCCL_TUNE_LOCAL_SINGLE", &mut m.local_single),
+            ("FERROCCL_TUNE_LOCAL_IN_PLACE", &mut m.local_in_place),
             ("FERROCCL_TUNE_NET", &mut m.net),
         ] {
             if let Ok(t) = std::env::var(var) {
@@ -265,13 +266,15 @@ impl CostModel {
         Ok(m)
     }
 
-    /// The wire form, for sharing rank 0's model: `local;local_ll;local_single;net`.
+    /// The wire form, for sharing rank 0's model:
+    /// `local;local_ll;local_single;local_in_place;net`.
     pub fn to_text(&self) -> String {
         format!(
-            "{};{};{};{}",
+            "{};{};{};{};{}",
             self.local.to_text(),
             self.local_ll.to_text(),
             self.local_single.to_text(),
+            self.local_in_place.to_text(),
             self.net.to_text()
         )
     }
@@ -279,16 +282,17 @@ impl CostModel {
     /// Reads [`CostModel::to_text`]'s form; `whose` names it in errors.
     pub fn parse(whose: &str, text: &str) -> Result<Self> {
         let parts: Vec<&str> = text.split(';').collect();
-        let [local, local_ll, local_single, net] = parts[..] else {
+        let [local, local_ll, local_single, local_in_place, net] = parts[..] else {
             return Err(Error::Env {
                 var: whose.into(),
-                detail: format!("{text:?} is not `local;local_ll;local_single;net`"),
+                detail: format!("{text:?} is not `local;local_ll;local_single;local_in_place;net`"),
             });
         };
         Ok(CostModel {
             local: LinkCost::parse(whose, local)?,
             local_ll: LinkCost::parse(whose, local_ll)?,
             local_single: LinkCost::parse(whose, local_single)?,
+            local_in_place: LinkCost::parse(whose, local_in_place)?,
             net: LinkCost::parse(whose, net)?,
         })
     }
@@ -815,13 +819,15 @@ mod tests {
         let back = CostModel::parse("rank 0", &m.to_text()).unwrap();
         assert!(back.local.about(m.local) && back.local_ll.about(m.local_ll));
         assert!(back.local_single.about(m.local_single));
-        assert!(!back.local_single.about(LinkCost::IN_PROCESS_SINGLE));
+        assert!(back.local_in_place.about(m.local_in_place));
+        assert!(!back.local_single.about(m.local_in_place));
         assert!(back.net.about(m.net), "{back:?}");
         let err = CostModel::parse("rank 0", "1,2;3,4")
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("rank 0") && err.contains("local;local_ll;local_single;net"),
+            err.contains("rank 0")
+                && err.contains("local;local_ll;local_single;local_in_place;net"),
             "{err}"
         );
     }

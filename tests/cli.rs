@@ -32,6 +32,7 @@ fn run(exe: &str, args: &[&str]) -> Output {
         .env_remove("FERROCCL_TUNE_LOCAL")
         .env_remove("FERROCCL_TUNE_LOCAL_LL")
         .env_remove("FERROCCL_TUNE_LOCAL_SINGLE")
+        .env_remove("FERROCCL_TUNE_LOCAL_IN_PLACE")
         .env_remove("FERROCCL_TUNE_NET")
         .env("NO_COLOR", "1")
         .output()
@@ -559,6 +560,76 @@ fn typical_command_lines_work_as_before() {
 /// `ferroccl-topo` says which CUDA driver it sees: the simulated one by name when
 /// `FERROCCL_CUDA_DRIVER` selects it, and a library that cannot be loaded as an error
 /// naming the variable (never a panic).
+#[test]
+fn tune_measure_prints_a_setting_for_each_link_it_timed_windows_included() {
+    // Two rank processes of one host: Simple, LL, single copy through the kernel, and
+    // single copy read in place from windows; no network link.
+    let mut cmd = Command::new(FERRORUN);
+    cmd.args(["--nproc-per-node", "2", "--", TUNE, "measure"])
+        .env("FERROCCL_DEBUG", "INFO")
+        .env_remove("FERROCCL_CPU_BIND");
+    let out = cmd.output().unwrap();
+    let (text, log) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{text}{log}");
+    for how in ["Simple", "LL", "SingleCopy", "SingleCopy, in a window"] {
+        assert!(
+            text.contains(&format!("rank 0 <-> rank 1 (local, {how}): latency ")),
+            "{how}: {text}"
+        );
+    }
+    // Each setting printed once, in a form the cost model reads back.
+    for var in [
+        "FERROCCL_TUNE_LOCAL",
+        "FERROCCL_TUNE_LOCAL_LL",
+        "FERROCCL_TUNE_LOCAL_SINGLE",
+        "FERROCCL_TUNE_LOCAL_IN_PLACE",
+    ] {
+        let lines: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.split_once(&format!("{var}=")).map(|(_, v)| v))
+            .collect();
+        assert_eq!(lines.len(), 1, "{var}: {text}");
+        let cost = ferroccl::tune::LinkCost::parse(var, lines[0]).unwrap();
+        assert!(cost.alpha > 0.0 && cost.beta > 0.0, "{var}: {cost:?}");
+    }
+    assert!(!text.contains("FERROCCL_TUNE_NET"), "{text}");
+    // The window ping-pongs ran on registered windows, one per rank.
+    for rank in 0..2 {
+        assert!(
+            log.contains(&format!("rank {rank}: window 0 of 16777216 bytes at ")),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn tune_predict_prices_single_copy_in_place_when_asked() {
+    let out = run(
+        TUNE,
+        &[
+            "predict",
+            "--ranks",
+            "2",
+            "--local-in-place",
+            "2,40",
+            "--in-place",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("single copy 2.00 us 40.00 GB/s in place)"),
+        "{text}"
+    );
+    // Read in place at 40 GB/s, single copy wins the large calls (through the kernel at
+    // the default 4.9 GB/s it never does).
+    let last = text.lines().rfind(|l| !l.starts_with('#')).unwrap();
+    assert!(last.ends_with("SingleCopy"), "{text}");
+    let plain = stdout(&run(TUNE, &["predict", "--ranks", "2"]));
+    let last = plain.lines().rfind(|l| !l.starts_with('#')).unwrap();
+    assert!(!last.ends_with("SingleCopy"), "{plain}");
+}
+
 #[test]
 fn topo_names_the_cuda_driver_it_sees() {
     let simulated = Command::new(TOPO)

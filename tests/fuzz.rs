@@ -298,7 +298,7 @@ fn rank_zeros_cost_model_and_settings() {
         |text| {
             if let Ok(m) = CostModel::parse("fuzz", &text) {
                 // Whatever is accepted is usable: finite, positive bandwidths.
-                for l in [m.local, m.local_ll, m.local_single, m.net] {
+                for l in [m.local, m.local_ll, m.local_single, m.local_in_place, m.net] {
                     prop_assert!(l.beta > 0.0 && l.beta.is_finite() && l.alpha >= 0.0);
                 }
             }

@@ -3,15 +3,16 @@
 //! ```text
 //! ferrorun --nproc-per-node 2 -- ferroccl-tune measure   # (or under srun/mpirun, or across hosts)
 //! ferroccl-tune predict --ranks 4 --hosts 4 [--net 30,1.25] [--local 1,10] [--local-ll 0.8,3]
-//!                       [--local-single 2.3,4.9]
+//!                       [--local-single 2.3,4.9] [--local-in-place 2.3,20] [--in-place]
 //! ferroccl-tune --completions bash                       # the shell's completion script
 //! ```
 //!
 //! `measure` times a ping-pong between rank 0 and each other rank, once per protocol
 //! (8 bytes for the latency α; 16 MiB with Simple and single copy, 1 MiB with LL for the
-//! bandwidth β; single copy only where the ranks may read each other's memory), sorts
-//! the peers into same-host and other-host, and prints the `FERROCCL_TUNE_LOCAL`,
-//! `FERROCCL_TUNE_LOCAL_LL`, `FERROCCL_TUNE_LOCAL_SINGLE` and `FERROCCL_TUNE_NET`
+//! bandwidth β; single copy only where the ranks may read each other's memory, and then
+//! also from buffers in windows, read in place), sorts the peers into same-host and
+//! other-host, and prints the `FERROCCL_TUNE_LOCAL`, `FERROCCL_TUNE_LOCAL_LL`,
+//! `FERROCCL_TUNE_LOCAL_SINGLE`, `FERROCCL_TUNE_LOCAL_IN_PLACE` and `FERROCCL_TUNE_NET`
 //! settings to use. `predict` prints
 //! the model's ring and tree times with each protocol for an all-reduce from 8 B to
 //! 1 GiB, its pick, and the sizes where the tree and LL stop being faster.
@@ -29,6 +30,7 @@ use ferroccl::Communicator;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::transport::Protocol;
+use ferroccl::transport::window::SharedMemory;
 use ferroccl::tune::{Choice, CostModel, LinkCost, Shape};
 
 /// The command line.
@@ -56,7 +58,8 @@ enum Command {
     Measure,
     /// Print the model's all-reduce times, its picks and its crossovers for a job's shape
     /// (the link costs default to FERROCCL_TUNE_LOCAL, FERROCCL_TUNE_LOCAL_LL,
-    /// FERROCCL_TUNE_LOCAL_SINGLE and FERROCCL_TUNE_NET, else to built-in values).
+    /// FERROCCL_TUNE_LOCAL_SINGLE, FERROCCL_TUNE_LOCAL_IN_PLACE and FERROCCL_TUNE_NET,
+    /// else to built-in values).
     Predict(PredictArgs),
 }
 
@@ -86,6 +89,16 @@ struct PredictArgs {
     /// The link between ranks on one host, with single copy.
     #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
     local_single: Option<LinkCost>,
+
+    /// The link between ranks on one host, with single copy read in place (threads of
+    /// one process, or buffers in windows).
+    #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
+    local_in_place: Option<LinkCost>,
+
+    /// Price single copy as read in place: the ranks are threads of one process, or the
+    /// buffers are in windows.
+    #[arg(long)]
+    in_place: bool,
 }
 
 /// Reads a link's `alpha_us,gbps`.
@@ -128,20 +141,25 @@ fn predict(args: PredictArgs) -> Result<(), String> {
         (&mut model.local, args.local),
         (&mut model.local_ll, args.local_ll),
         (&mut model.local_single, args.local_single),
+        (&mut model.local_in_place, args.local_in_place),
     ] {
         if let Some(given) = given {
             *cost = given;
         }
+    }
+    if args.in_place {
+        model.local_single = model.local_in_place;
     }
     let ranks = args.ranks;
     let hosts = args.hosts.clamp(1, ranks.max(1));
     let shape = Shape::even(ranks, hosts);
     let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
     println!(
-        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}, single copy {}), net {}",
+        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}, single copy {}{}), net {}",
         show(model.local),
         show(model.local_ll),
         show(model.local_single),
+        if args.in_place { " in place" } else { "" },
         show(model.net)
     );
     // The pairs that have a plan here (single copy: not on reducing rings of more than
@@ -224,15 +242,43 @@ fn ping_pong(comm: &Communicator, peer: usize, buf: &mut [u8], reps: usize) -> R
     once(reps)
 }
 
+/// The settings `measure` prints, each the mean over the peers it was measured with.
+const SETTINGS: [&str; 5] = [
+    "FERROCCL_TUNE_LOCAL",
+    "FERROCCL_TUNE_LOCAL_LL",
+    "FERROCCL_TUNE_LOCAL_SINGLE",
+    "FERROCCL_TUNE_LOCAL_IN_PLACE",
+    "FERROCCL_TUNE_NET",
+];
+
+/// The setting a ping-pong with `protocol` measures, between ranks of one host or
+/// not; `in_place`: single copy read in place (threads of one process, or windows).
+fn setting(protocol: Protocol, local: bool, in_place: bool) -> Option<&'static str> {
+    match (protocol, local) {
+        (Protocol::Simple, true) => Some("FERROCCL_TUNE_LOCAL"),
+        (Protocol::LL, true) => Some("FERROCCL_TUNE_LOCAL_LL"),
+        (Protocol::SingleCopy, true) if in_place => Some("FERROCCL_TUNE_LOCAL_IN_PLACE"),
+        (Protocol::SingleCopy, true) => Some("FERROCCL_TUNE_LOCAL_SINGLE"),
+        // Over TCP both protocols use the same FIFOs: the network is measured with Simple.
+        (Protocol::Simple, false) => Some("FERROCCL_TUNE_NET"),
+        _ => None,
+    }
+}
+
 fn measure() -> Result<(), String> {
-    let world = Communicator::from_env().map_err(|e| e.to_string())?;
+    let err = |e: ferroccl::Error| e.to_string();
+    let world = Communicator::from_env().map_err(err)?;
     let n = world.size();
     if n < 2 {
         return Err("measure needs at least two ranks".into());
     }
-    let host = |r: usize| world.peers()[r].host_id.clone();
-    // (protocol, local or net) -> measured costs.
-    let mut found: Vec<(Protocol, bool, LinkCost)> = Vec::new();
+    let peer_info = |r: usize| &world.peers()[r];
+    let local = |r: usize| peer_info(r).host_id == peer_info(0).host_id;
+    let same_process = |r: usize| local(r) && peer_info(r).pid == peer_info(0).pid;
+    let mut found = Found {
+        rank0: world.rank() == 0,
+        costs: Vec::new(),
+    };
     for protocol in Protocol::ALL {
         // A communicator that uses only this protocol, so that every size is timed
         // with it.
@@ -242,7 +288,7 @@ fn measure() -> Result<(), String> {
         };
         let comm = world
             .split_with(Some(0), 0, config)
-            .map_err(|e| e.to_string())?
+            .map_err(err)?
             .ok_or("split gave no communicator")?;
         let big_bytes = match protocol {
             Protocol::Simple | Protocol::SingleCopy => 16 << 20,
@@ -259,53 +305,92 @@ fn measure() -> Result<(), String> {
             );
             continue;
         }
+        let mut heap = vec![0u8; big_bytes];
         for peer in 1..n {
-            let latency = ping_pong(&comm, peer, &mut [0u8; 8], 2000)?;
-            let one_way = ping_pong(&comm, peer, &mut vec![0u8; big_bytes], 20)?;
-            comm.barrier().map_err(|e| e.to_string())?;
-            if comm.rank() == 0 {
-                let cost = LinkCost {
-                    alpha: latency,
-                    beta: big_bytes as f64 / (one_way - latency).max(1e-9),
-                };
-                let local = host(peer) == host(0);
-                println!(
-                    "rank 0 <-> rank {peer} ({}, {}): latency {:.2} us, bandwidth {:.2} GB/s",
-                    if local { "local" } else { "net" },
-                    protocol.name(),
-                    cost.alpha * 1e6,
-                    cost.beta / 1e9
-                );
-                found.push((protocol, local, cost));
+            let cost = link_cost(&comm, peer, &mut heap)?;
+            found.add(protocol, peer, (local(peer), same_process(peer)), cost, "");
+        }
+        // Single copy from buffers in windows: read in place between processes too.
+        if protocol == Protocol::SingleCopy && (1..n).any(|r| local(r) && !same_process(r)) {
+            let mut memory = SharedMemory::new(big_bytes).map_err(err)?;
+            // SAFETY: the memory outlives the window (deregistered below), and this rank
+            // passes it only to this communicator's ping-pongs.
+            let window =
+                unsafe { comm.register_window(memory.as_ptr(), big_bytes) }.map_err(err)?;
+            for peer in (1..n).filter(|&r| local(r) && !same_process(r)) {
+                let cost = link_cost(&comm, peer, memory.as_mut_slice())?;
+                found.add(protocol, peer, (true, true), cost, ", in a window");
             }
+            comm.deregister_window(window).map_err(err)?;
         }
     }
-    let mean = |protocol: Protocol, local: bool| -> Option<LinkCost> {
-        let v: Vec<LinkCost> = found
+    for var in SETTINGS {
+        if let Some(mean) = found.mean(var) {
+            println!("{var}={}", mean.to_text());
+        }
+    }
+    Ok(())
+}
+
+/// α from an 8-byte ping-pong between rank 0 and `peer`, β from one of `buf` (whose
+/// first 8 bytes the small one uses), on every rank of `comm`.
+fn link_cost(comm: &Communicator, peer: usize, buf: &mut [u8]) -> Result<LinkCost, String> {
+    let latency = ping_pong(comm, peer, &mut buf[..8], 2000)?;
+    let one_way = ping_pong(comm, peer, buf, 20)?;
+    comm.barrier().map_err(|e| e.to_string())?;
+    // One hand-off in a collective also pays for the peer's turn to run; a ping-pong's
+    // half round trip is the floor of it.
+    Ok(LinkCost {
+        alpha: latency,
+        beta: buf.len() as f64 / (one_way - latency).max(1e-9),
+    })
+}
+
+/// The links rank 0 measured, each under its setting.
+struct Found {
+    rank0: bool,
+    costs: Vec<(&'static str, LinkCost)>,
+}
+
+impl Found {
+    /// Rank 0 prints a measured link and keeps it under its setting.
+    fn add(
+        &mut self,
+        protocol: Protocol,
+        peer: usize,
+        (local, in_place): (bool, bool),
+        cost: LinkCost,
+        how: &str,
+    ) {
+        let Some(var) = setting(protocol, local, in_place) else {
+            return;
+        };
+        if self.rank0 {
+            println!(
+                "rank 0 <-> rank {peer} ({}, {}{how}): latency {:.2} us, bandwidth {:.2} GB/s",
+                if local { "local" } else { "net" },
+                protocol.name(),
+                cost.alpha * 1e6,
+                cost.beta / 1e9
+            );
+            self.costs.push((var, cost));
+        }
+    }
+
+    /// The mean of the costs measured for `var`, if any.
+    fn mean(&self, var: &str) -> Option<LinkCost> {
+        let v: Vec<LinkCost> = self
+            .costs
             .iter()
-            .filter(|(p, l, _)| *p == protocol && *l == local)
-            .map(|(.., c)| *c)
+            .filter(|(s, _)| *s == var)
+            .map(|(_, c)| *c)
             .collect();
         let k = v.len() as f64;
         (!v.is_empty()).then(|| LinkCost {
             alpha: v.iter().map(|c| c.alpha).sum::<f64>() / k,
             beta: v.iter().map(|c| c.beta).sum::<f64>() / k,
         })
-    };
-    // One hand-off in a collective also pays for the peer's turn to run; a ping-pong's
-    // half round trip is the floor of it. Over TCP both protocols use the same FIFOs, so
-    // the network is measured with Simple.
-    for (var, protocol, local) in [
-        ("FERROCCL_TUNE_LOCAL", Protocol::Simple, true),
-        ("FERROCCL_TUNE_LOCAL_LL", Protocol::LL, true),
-        ("FERROCCL_TUNE_LOCAL_SINGLE", Protocol::SingleCopy, true),
-        ("FERROCCL_TUNE_NET", Protocol::Simple, false),
-    ] {
-        if let Some(c) = mean(protocol, local) {
-            println!("{var}={}", c.to_text());
-        }
     }
-    Ok(())
 }
 
 #[cfg(test)]

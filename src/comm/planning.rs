@@ -22,25 +22,23 @@ pub(super) struct Planner {
 impl Planner {
     /// The planners of host calls: without windows, and while windows are registered
     /// when that differs. Single copy between threads of one process, or from a window
-    /// every peer mapped, is a pointer read, and priced so, unless the agreed model was
-    /// tuned (every rank sees the same model and the same pids, so all choose alike).
+    /// every peer mapped, is a pointer read, priced as the model's `local_in_place`
+    /// (every rank sees the same model and the same pids, so all choose alike).
     pub(super) fn for_host(
         config: &CommConfig,
         hosts: &[usize],
         mut model: CostModel,
         memory: std::result::Result<&crate::transport::single_copy::PeerMemory, &str>,
     ) -> (Planner, Option<Planner>) {
-        use crate::tune::LinkCost;
         let single_copy = memory.is_ok();
-        let untuned = model.local_single.about(CostModel::default().local_single);
-        if memory.is_ok_and(|m| m.all_in_process()) && untuned {
-            model.local_single = LinkCost::IN_PROCESS_SINGLE;
+        let in_process = memory.is_ok_and(|m| m.all_in_process());
+        if in_process {
+            model.local_single = model.local_in_place;
         }
         let planner = Planner::new(config, hosts, config.channels, model, single_copy);
-        let in_place = LinkCost::IN_PROCESS_SINGLE;
-        let windowed = (single_copy && untuned && !model.local_single.about(in_place)).then(|| {
+        let windowed = (single_copy && !in_process).then(|| {
             let model = CostModel {
-                local_single: in_place,
+                local_single: model.local_in_place,
                 ..model
             };
             Planner::new(config, hosts, config.channels, model, single_copy)

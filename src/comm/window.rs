@@ -4,13 +4,13 @@
 //!
 //! Registration is collective, so every rank knows at every call how many windows are
 //! live, and plans host calls with the same cost model: while any is, ranks of other
-//! processes are priced as threads (a read in place, [`LinkCost::IN_PROCESS_SINGLE`]),
+//! processes are priced as threads (a read in place, [`CostModel::local_in_place`]),
 //! so large calls take single copy. Whether a call's buffers lie in windows is each
 //! rank's own business: a region outside them is read with `process_vm_readv`, slower
 //! but correct, as NCCL's symmetric kernels expect their users to pass window memory.
 //!
 //! [`SharedMemory`]: crate::transport::window::SharedMemory
-//! [`LinkCost::IN_PROCESS_SINGLE`]: crate::tune::LinkCost::IN_PROCESS_SINGLE
+//! [`CostModel::local_in_place`]: crate::tune::CostModel::local_in_place
 
 use super::Communicator;
 use crate::error::{Error, Result};

@@ -141,8 +141,9 @@ pub fn cost_model(link: GpuLink, channels: usize, net: LinkCost) -> CostModel {
         local: LinkCost::new(simple_us, gbps),
         local_ll: LinkCost::new(ll_us, gbps / 3.0),
         // Device calls never read a peer's buffer from the host (their planner offers
-        // no single copy); the entry only keeps the model whole.
+        // no single copy); the entries only keep the model whole.
         local_single: LinkCost::new(simple_us, gbps),
+        local_in_place: LinkCost::new(simple_us, gbps),
         net,
     }
 }

@@ -250,6 +250,7 @@ pub fn all_reduce_rows(topo: &Topology, max_bytes: usize) -> Result<Vec<Row>> {
         local,
         local_ll: local,
         local_single: local,
+        local_in_place: local,
         net: topo.net,
     };
     let shape = Shape {
