@@ -402,6 +402,14 @@ fn the_nccl_backend_runs_with_ferroccls_own_libnccl_standing_in() {
                 "{name}:\n{stdout}"
             );
         }
+        // The algorithm column: ferroccl's plan, then NCCL's own choice, which it keeps
+        // to itself (not ferroccl's plan under NCCL's name).
+        let algorithms: Vec<&str> = table.iter().map(|r| r[r.len() - 1].as_str()).collect();
+        assert!(
+            algorithms[..5].iter().all(|a| *a != "(nccl)")
+                && algorithms[5..].iter().all(|a| *a == "(nccl)"),
+            "{name}: {algorithms:?}\n{stdout}"
+        );
     }
 }
 

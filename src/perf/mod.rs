@@ -499,8 +499,10 @@ fn measure<T: Element + Default>(
         root: test.rooted().then_some(root),
         out_of_place: modes.pop().expect("out-of-place measured"),
         in_place,
-        algorithm: algorithm.unwrap_or_else(|| {
-            test.algorithm(comm, count, elem, matches!(target, Target::Device(..)))
+        algorithm: algorithm.unwrap_or_else(|| match target {
+            // NCCL chooses inside itself, and says nothing of it.
+            Target::Device(_, device::Library::Nccl) => "(nccl)".into(),
+            _ => test.algorithm(comm, count, elem, matches!(target, Target::Device(..))),
         }),
         rank,
     })
