@@ -436,7 +436,7 @@ class FerrocclBackend(_C10dBackend):
         """Registers ``tensor``'s memory as a window of this group (collective, in call
         order): it must lie in one :class:`ferroccl.SharedMemory` (see
         :func:`empty_shared`). Calls on it then read the peers' tensors in place."""
-        return self._pg.register_window(_window_memory(tensor))
+        return self._pg.register_window(tensor)
 
     def deregister_window(self, window: _ferroccl.Window) -> None:
         """Ends a window made by :meth:`register_window` (collective, in call order)."""
@@ -444,34 +444,28 @@ class FerrocclBackend(_C10dBackend):
 
 
 def empty_shared(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised (zeroed) CPU tensor in a new :class:`ferroccl.SharedMemory`, the
-    memory :func:`register_window` takes (``ncclMemAlloc``'s role; the tensor keeps the
-    memory alive)."""
+    """A zeroed CPU tensor in a new :class:`ferroccl.SharedMemory`, the memory
+    :func:`register_window` takes (``ncclMemAlloc``'s role; the tensor keeps the memory
+    alive). ``size`` as for ``torch.empty``: integers, or one sequence of them."""
     shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
     count = 1
     for n in shape:
         count *= int(n)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    import numpy  # noqa: PLC0415 (numpy is torch's, needed only here)
+    import numpy  # noqa: PLC0415 (the `torch` extra installs it; needed only here)
 
     raw = torch.from_numpy(numpy.asarray(_ferroccl.SharedMemory(count * itemsize)))
     return raw[: count * itemsize].view(dtype).view(shape)
 
 
-def _window_memory(tensor: Any) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"register_window: a CPU tensor is needed, not {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"register_window: windows are host memory; the tensor is on {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError("register_window: the tensor must be contiguous (one range of memory)")
-    return tensor
-
-
 def _backend_of(group: Any) -> FerrocclBackend:
     """The ferroccl backend of ``group`` (the default group when None) for CPU tensors."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("windows: this rank is not a member of the group")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checking one.
+    backend = getattr(backend, "wrapped_pg", backend)
     if not isinstance(backend, FerrocclBackend):
         raise ValueError(
             f"the group's backend for CPU tensors is {dist.get_backend(pg)!r}, not {NAME!r}: windows are ferroccl's"

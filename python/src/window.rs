@@ -4,7 +4,7 @@
 //! one host, calls on window memory read the peers' buffers in place (single copy)
 //! instead of passing every byte through the shared-memory FIFOs.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 
 use ferroccl::Communicator;
 use ferroccl::transport::window;
@@ -16,12 +16,21 @@ use crate::errors::{self, IntoPy};
 
 /// Registers `buf` as a window of `comm` (`ncclCommWindowRegister`): collective, in call
 /// order, for `Communicator.register_window` and `ProcessGroup.register_window` alike.
+/// A `buf` this rank cannot lend fails the registration on every rank, with its reason.
 pub(crate) fn register(
     py: Python<'_>,
-    comm: &Communicator,
+    comm: &Arc<Communicator>,
     buf: &Bound<'_, PyAny>,
 ) -> PyResult<Window> {
-    let lent = Lent::borrow(buf, "register_window: buf", true)?;
+    let lent = match Lent::borrow(buf, "register_window: buf", true) {
+        Ok(lent) => lent,
+        // This rank still takes its part, so that the others fail with its reason
+        // rather than wait for it until the timeout.
+        Err(e) => {
+            let why = e.to_string();
+            return Err(py.detach(|| comm.refuse_window(&why))).py_err();
+        }
+    };
     // Memory outside a SharedMemory (CUDA memory included) is refused by the core, on
     // every rank, naming the rank.
     let (addr, nbytes) = (lent.ptr as usize, lent.bytes);
@@ -31,12 +40,28 @@ pub(crate) fn register(
     let window = py
         .detach(|| unsafe { comm.register_window(addr as *mut u8, nbytes) })
         .py_err()?;
-    Ok(Window::new(window, nbytes))
+    Ok(Window {
+        window: Mutex::new(Some(window)),
+        nbytes,
+        comm: Arc::downgrade(comm),
+    })
 }
 
-/// Ends `window` on `comm` (`ncclCommWindowDeregister`): collective, in call order; a
-/// second deregistration is refused.
-pub(crate) fn deregister(py: Python<'_>, comm: &Communicator, window: &Window) -> PyResult<()> {
+/// Ends `window` on `comm` (`ncclCommWindowDeregister`): collective, in call order. A
+/// second deregistration, or one on another communicator than the window's, is refused
+/// and leaves the window as it was.
+pub(crate) fn deregister(
+    py: Python<'_>,
+    comm: &Arc<Communicator>,
+    window: &Window,
+) -> PyResult<()> {
+    if !std::ptr::eq(window.comm.as_ptr(), Arc::as_ptr(comm)) {
+        return Err(errors::value_error(
+            "deregister_window: the window was registered on another communicator (or \
+             process group); deregister it there"
+                .into(),
+        ));
+    }
     let Some(w) = window.take() else {
         return Err(errors::value_error(
             "deregister_window: the window was deregistered already".into(),
@@ -103,16 +128,11 @@ pub struct Window {
     /// `None` once deregistered.
     window: Mutex<Option<window::Window>>,
     nbytes: usize,
+    /// The communicator it was registered on (not kept alive by it).
+    comm: Weak<Communicator>,
 }
 
 impl Window {
-    fn new(window: window::Window, nbytes: usize) -> Self {
-        Window {
-            window: Mutex::new(Some(window)),
-            nbytes,
-        }
-    }
-
     /// The core's window, taken out (`None`: already deregistered).
     fn take(&self) -> Option<window::Window> {
         self.window.lock().unwrap_or_else(|p| p.into_inner()).take()

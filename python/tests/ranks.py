@@ -632,12 +632,26 @@ def torch_windows() -> None:
     send.copy_(inputs[RANK])
     dist.broadcast(send, src=WORLD - 1)
     checked["broadcast"] = torch.equal(send, inputs[WORLD - 1])
+    # A window is ended on the group it was made on, and nowhere else.
+    sub = dist.new_group(backend="ferroccl")
+    on_sub = ft.register_window(halves, group=sub)
+    checked["other group"] = [failure(lambda: ft.deregister_window(on_sub)), on_sub.registered]
+    ft.deregister_window(on_sub, group=sub)
     for w in windows:
         ft.deregister_window(w)
-    checked["deregistered"] = [w.registered for w in windows]
+    checked["deregistered"] = [w.registered for w in windows + [on_sub]]
     checked["twice"] = failure(lambda: ft.deregister_window(windows[0]))
+    # Without windows, the same call goes through the FIFOs again (the log says so).
+    plain = inputs[RANK].clone()
+    dist.all_reduce(plain)
+    checked["plain after"] = torch.equal(plain, total)
     checked["outside"] = failure(lambda: ft.register_window(torch.zeros(16)))
-    checked["strided"] = failure(lambda: ft.register_window(block[::2]))
+    # Refused by one rank only (its tensor is strided): every rank fails at once, with
+    # that rank's reason, instead of waiting for it.
+    mine = block[::2] if RANK == 0 else block
+    started = time.monotonic()
+    checked["strided on rank 0"] = failure(lambda: ft.register_window(mine))
+    checked["refused in s"] = time.monotonic() - started
     gloo = dist.new_group(backend="gloo")
     checked["gloo group"] = failure(lambda: ft.register_window(block, group=gloo))
     small = torch.full((5,), float(RANK + 1))

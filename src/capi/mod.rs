@@ -850,27 +850,33 @@ nccl_api! {
     ) -> c_int {
         api("ncclCommWindowRegister", || {
             let handle = CommHandle::find(comm)?;
-            if win.is_null() {
-                return Err(invalid("win is NULL"));
-            }
-            if buff.is_null() {
-                return Err(invalid(format!("buff is NULL for {size} bytes")));
-            }
-            if !matches!(win_flags, 0 | 1) {
-                return Err(invalid(format!(
+            let communicator = handle.communicator()?;
+            let refusal = if win.is_null() {
+                Some(invalid("win is NULL"))
+            } else if buff.is_null() {
+                Some(invalid(format!("buff is NULL for {size} bytes")))
+            } else if !matches!(win_flags, 0 | 1) {
+                Some(invalid(format!(
                     "winFlags {win_flags:#x}: NCCL_WIN_DEFAULT (0) or NCCL_WIN_COLL_SYMMETRIC (1)"
-                )));
-            }
-            if group::in_group() {
-                return Err(Failure::new(
+                )))
+            } else if group::in_group() {
+                Some(Failure::new(
                     INVALID_USAGE,
                     "ncclCommWindowRegister inside ncclGroupStart/ncclGroupEnd is not \
                      supported: every rank registers at once, outside a group",
-                ));
+                ))
+            } else {
+                None
+            };
+            if let Some(failure) = refusal {
+                // The other ranks may be registering: this rank takes its part, so that
+                // they fail with its reason instead of waiting for it.
+                communicator.refuse_window(&failure.message);
+                return Err(failure);
             }
             // SAFETY: NCCL's contract: the buffer stays allocated until
             // ncclCommWindowDeregister (the window keeps host memory mapped regardless).
-            let window = unsafe { handle.communicator()?.register_window(buff.cast(), size) }
+            let window = unsafe { communicator.register_window(buff.cast(), size) }
                 .map_err(|e| Failure::from_error(&e))?;
             let token = window.token as usize;
             lock(&handle.windows).insert(token, window);

@@ -244,6 +244,26 @@ fn windows_must_be_shared_memory_and_are_refused_alike_on_every_rank() {
             .to_string()
     });
     assert!(errs.iter().all(|e| e.contains("rank 0:")), "{errs:?}");
+    // A rank that cannot say which bytes (a binding could not lend its buffer) refuses
+    // in turn: every rank fails with its reason rather than waiting for it, and the
+    // registrations after line up again (below).
+    let errs = on_all(&cs, |c| {
+        let shared = SharedMemory::new(4096).unwrap();
+        if c.rank() == 1 {
+            c.refuse_window("its tensor is strided").to_string()
+        } else {
+            // SAFETY: as above.
+            unsafe { c.register_window(shared.as_ptr(), 4096) }
+                .unwrap_err()
+                .to_string()
+        }
+    });
+    for e in &errs {
+        assert!(
+            e.contains("registering a window: rank 1: its tensor is strided"),
+            "{e}"
+        );
+    }
     // A window made on one communicator is not another's to end; calls still work.
     let windows = on_all(&cs, |c| {
         let shared = SharedMemory::new(1 << 20).unwrap();

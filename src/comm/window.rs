@@ -30,11 +30,30 @@ impl Communicator {
     /// hand the bytes to other uses while calls run (as with any call's buffers).
     pub unsafe fn register_window(&self, addr: *mut u8, len: usize) -> Result<Window> {
         self.turns
-            .run_blocking(|| self.register_window_in_turn(addr as usize, len))
+            .run_blocking(|| self.register_window_in_turn(Ok((addr as usize, len))))
     }
 
-    fn register_window_in_turn(&self, addr: usize, len: usize) -> Result<Window> {
-        let found = window::find(addr, len);
+    /// Takes this rank's part in a window registration it cannot make, because of `why`
+    /// (say, a binding could not lend the buffer it was given): collective, in call order,
+    /// like [`Communicator::register_window`], so the other ranks do not wait for it, and
+    /// every rank fails naming this rank and `why`.
+    pub fn refuse_window(&self, why: &str) -> Error {
+        match self
+            .turns
+            .run_blocking(|| self.register_window_in_turn(Err(why)))
+        {
+            Err(e) => e,
+            Ok(_) => unreachable!("a refused registration fails on every rank"),
+        }
+    }
+
+    /// A registration of the bytes `target` gives, or one this rank refuses for its
+    /// reason; either way every rank takes part.
+    fn register_window_in_turn(
+        &self,
+        target: std::result::Result<(usize, usize), &str>,
+    ) -> Result<Window> {
+        let found = target.ok().and_then(|(addr, len)| window::find(addr, len));
         let mine = found.as_ref().map_or_else(Vec::new, |(_, p)| p.to_bytes());
         let all = self.boot.all_gather(&mine)?;
         let mut st = self.lock();
@@ -42,7 +61,9 @@ impl Communicator {
         st.windows_made += 1;
         let mut mapped = Vec::new();
         let mut verdict = String::new();
-        if found.is_none() {
+        if let Err(why) = target {
+            verdict = why.to_string();
+        } else if let (Ok((addr, len)), None) = (target, &found) {
             verdict = format!(
                 "the window's {len} bytes at {addr:#x} are not in one allocation of shared \
                  memory (ncclMemAlloc on the host, or ferroccl's SharedMemory)"
@@ -77,6 +98,7 @@ impl Communicator {
             memory.add_window(mapped);
         }
         let (allocation, _) = found.expect("a window was found above, or the call failed");
+        let (addr, len) = target.expect("a refusal failed the call above");
         let window = Window::new(id, allocation);
         st.windows.insert(window.token, id);
         // Plans made without windows may not be the plans with them.
