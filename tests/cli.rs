@@ -557,17 +557,26 @@ fn typical_command_lines_work_as_before() {
     );
 }
 
-/// `ferroccl-topo` says which CUDA driver it sees: the simulated one by name when
-/// `FERROCCL_CUDA_DRIVER` selects it, and a library that cannot be loaded as an error
-/// naming the variable (never a panic).
+/// `ferroccl-tune measure` on two rank processes of one host.
 #[test]
 fn tune_measure_prints_a_setting_for_each_link_it_timed_windows_included() {
     // Two rank processes of one host: Simple, LL, single copy through the kernel, and
     // single copy read in place from windows; no network link.
     let mut cmd = Command::new(FERRORUN);
     cmd.args(["--nproc-per-node", "2", "--", TUNE, "measure"])
-        .env("FERROCCL_DEBUG", "INFO")
-        .env_remove("FERROCCL_CPU_BIND");
+        .env("FERROCCL_DEBUG", "INFO");
+    for var in [
+        "FERROCCL_CPU_BIND",
+        "FERROCCL_PROTO",
+        "FERROCCL_ALGO",
+        "FERROCCL_TUNE_LOCAL",
+        "FERROCCL_TUNE_LOCAL_LL",
+        "FERROCCL_TUNE_LOCAL_SINGLE",
+        "FERROCCL_TUNE_LOCAL_IN_PLACE",
+        "FERROCCL_TUNE_NET",
+    ] {
+        cmd.env_remove(var);
+    }
     let out = cmd.output().unwrap();
     let (text, log) = (stdout(&out), stderr(&out));
     assert!(out.status.success(), "{text}{log}");
@@ -630,6 +639,9 @@ fn tune_predict_prices_single_copy_in_place_when_asked() {
     assert!(!last.ends_with("SingleCopy"), "{plain}");
 }
 
+/// `ferroccl-topo` says which CUDA driver it sees: the simulated one by name when
+/// `FERROCCL_CUDA_DRIVER` selects it, and a library that cannot be loaded as an error
+/// naming the variable (never a panic).
 #[test]
 fn topo_names_the_cuda_driver_it_sees() {
     let simulated = Command::new(TOPO)

@@ -97,7 +97,7 @@ struct PredictArgs {
 
     /// Price single copy as read in place: the ranks are threads of one process, or the
     /// buffers are in windows.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "local_single")]
     in_place: bool,
 }
 
