@@ -179,7 +179,8 @@ pub enum ParseError {
 }
 
 /// A read position in a byte slice that reports [`ParseError::Incomplete`] when it runs
-/// out. Also used to decode bootstrap payloads, which use the same encoding.
+/// out. Also used to decode bootstrap payloads and the records ranks exchange about
+/// their memory (windows, CUDA IPC FIFOs), which use the same encoding.
 pub struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -210,7 +211,8 @@ impl<'a> Cursor<'a> {
         Ok(out)
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], ParseError> {
+    /// Reads `N` bytes as they are (a magic number, a handle).
+    pub fn array<const N: usize>(&mut self) -> Result<[u8; N], ParseError> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.take(N)?);
         Ok(a)
@@ -224,6 +226,11 @@ impl<'a> Cursor<'a> {
     /// Reads a little-endian `u32`.
     pub fn u32(&mut self) -> Result<u32, ParseError> {
         Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    /// Reads a little-endian `i32`.
+    pub fn i32(&mut self) -> Result<i32, ParseError> {
+        Ok(i32::from_le_bytes(self.array()?))
     }
 
     /// Reads a little-endian `u64`.
@@ -327,6 +334,12 @@ impl Writer {
         self
     }
 
+    /// Appends a little-endian `i32`.
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
     /// Appends a little-endian `u64`.
     pub fn u64(&mut self, v: u64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
@@ -336,6 +349,12 @@ impl Writer {
     /// Appends a little-endian `i64`.
     pub fn i64(&mut self, v: i64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    /// Appends bytes as they are, without a length (a magic number, a handle).
+    pub fn raw(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
         self
     }
 

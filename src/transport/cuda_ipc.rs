@@ -34,6 +34,7 @@ use crate::cuda::work::{FcclFifo, FifoEnd};
 use crate::cuda::{DeviceBuffer, ImportedBuffer, RegisteredHost};
 use crate::error::{Error, Result};
 use crate::store::Store;
+use crate::store::wire::{Cursor, ParseError, Writer};
 
 use super::Protocol;
 use super::fifo::Geometry;
@@ -88,16 +89,16 @@ pub struct Export {
 impl Export {
     /// The bytes stored for it.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(EXPORT_BYTES);
-        out.extend_from_slice(EXPORT_MAGIC);
-        out.extend_from_slice(&self.process.to_le_bytes());
-        out.extend_from_slice(&self.pid.to_le_bytes());
-        out.extend_from_slice(&self.device.to_le_bytes());
-        out.extend_from_slice(&u32::from(self.staged).to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&self.ptr.to_le_bytes());
-        out.extend_from_slice(&self.handle);
-        out
+        let mut w = Writer::default();
+        w.raw(EXPORT_MAGIC)
+            .u64(self.process)
+            .u32(self.pid)
+            .u32(self.device)
+            .u32(u32::from(self.staged))
+            .u32(0) // padding, so that `ptr` is 8-byte aligned
+            .u64(self.ptr)
+            .raw(&self.handle);
+        w.into_vec()
     }
 
     /// Reads what [`encode`](Self::encode) wrote; `key` names it in errors.
@@ -109,16 +110,20 @@ impl Export {
                 bytes.len()
             )));
         }
-        let mut handle = [0u8; 64];
-        handle.copy_from_slice(&bytes[40..104]);
-        Ok(Export {
-            process: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
-            pid: u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes")),
-            device: u32::from_le_bytes(bytes[20..24].try_into().expect("4 bytes")),
-            staged: bytes[24] != 0,
-            ptr: u64::from_le_bytes(bytes[32..40].try_into().expect("8 bytes")),
-            handle,
-        })
+        let read = |c: &mut Cursor<'_>| -> std::result::Result<Export, ParseError> {
+            c.array::<8>()?;
+            let (process, pid, device, staged) = (c.u64()?, c.u32()?, c.u32()?, c.u32()?);
+            c.u32()?;
+            Ok(Export {
+                process,
+                pid,
+                device,
+                staged: staged != 0,
+                ptr: c.u64()?,
+                handle: c.array()?,
+            })
+        };
+        Ok(read(&mut Cursor::new(bytes)).expect("the length was checked above"))
     }
 }
 
@@ -174,11 +179,9 @@ impl Sender {
 
     /// The bytes stored for it.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(SENDER_BYTES);
-        out.extend_from_slice(&self.process.to_le_bytes());
-        out.extend_from_slice(&self.host.to_le_bytes());
-        out.extend_from_slice(&self.device.to_le_bytes());
-        out
+        let mut w = Writer::default();
+        w.u64(self.process).u64(self.host).u32(self.device);
+        w.into_vec()
     }
 
     /// Reads what [`encode`](Self::encode) wrote; `key` names it in errors.
@@ -189,11 +192,15 @@ impl Sender {
                 bytes.len()
             )));
         }
-        Ok(Sender {
-            process: u64::from_le_bytes(bytes[0..8].try_into().expect("8 bytes")),
-            host: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
-            device: u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes")),
-        })
+        let mut c = Cursor::new(bytes);
+        let mut read = || -> std::result::Result<Sender, ParseError> {
+            Ok(Sender {
+                process: c.u64()?,
+                host: c.u64()?,
+                device: c.u32()?,
+            })
+        };
+        Ok(read().expect("the length was checked above"))
     }
 
     /// Whether a FIFO to a receiver on `device` of this host must be staged through host
@@ -455,9 +462,19 @@ mod tests {
             ptr: 0x7f00_0000_1000,
             handle: std::array::from_fn(|i| i as u8),
         };
+        assert_eq!(e.encode().len(), EXPORT_BYTES);
         assert_eq!(Export::decode("k", &e.encode()).unwrap(), e);
         let err = Export::decode("cuda_ipc/0/1-2/LL", b"short").unwrap_err();
         assert!(err.to_string().contains("cuda_ipc/0/1-2/LL"), "{err}");
+        let s = Sender {
+            process: 7,
+            host: u64::MAX - 1,
+            device: 2,
+        };
+        assert_eq!(s.encode().len(), SENDER_BYTES);
+        let back = Sender::decode("k", &s.encode()).unwrap();
+        assert_eq!((back.process, back.host, back.device), (7, u64::MAX - 1, 2));
+        assert!(Sender::decode("cuda_ipc/s", &[0; 19]).is_err());
         assert_eq!(key(1, 2, 3, Protocol::Simple), "cuda_ipc/1/2-3/Simple");
     }
 

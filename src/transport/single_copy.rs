@@ -28,6 +28,7 @@ use super::routes::{Path, Routes};
 use super::window::PeerWindow;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+use crate::store::wire::{Cursor, Writer};
 
 /// The word every rank's peers read at initialisation to see whether they may.
 static PROBE_WORD: AtomicU64 = AtomicU64::new(0);
@@ -211,21 +212,21 @@ pub(super) fn agree(
     let (rank, nranks) = (routes.rank, routes.nranks);
     let own_pid = std::process::id();
     PROBE_WORD.store(PROBE_MAGIC, Ordering::Release);
-    let mut hello = Vec::with_capacity(12);
-    hello.extend_from_slice(&own_pid.to_le_bytes());
-    hello.extend_from_slice(&(PROBE_WORD.as_ptr() as u64).to_le_bytes());
-    let all = boot.all_gather(&hello)?;
+    let mut hello = Writer::default();
+    hello.u32(own_pid).u64(PROBE_WORD.as_ptr() as u64);
+    let all = boot.all_gather(hello.as_slice())?;
     let mut pids = Vec::with_capacity(nranks);
     let mut words = Vec::with_capacity(nranks);
     for (r, bytes) in all.iter().enumerate() {
-        let (Some(pid), Some(word)) = (bytes.get(..4), bytes.get(4..12)) else {
+        let mut c = Cursor::new(bytes);
+        let (Ok(pid), Ok(word), true) = (c.u32(), c.u64(), c.is_empty()) else {
             return Err(Error::BootstrapData {
                 rank: r,
                 detail: format!("single-copy probe of {} bytes, not 12", bytes.len()),
             });
         };
-        pids.push(u32::from_le_bytes(pid.try_into().expect("4 bytes")));
-        words.push(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        pids.push(pid);
+        words.push(word);
     }
     let reader = PeerMemory {
         windows: pids.iter().map(|_| Vec::new()).collect(),

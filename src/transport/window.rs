@@ -21,6 +21,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::error::{Error, Result};
+use crate::store::wire::{Cursor, Writer};
 
 /// Host memory that other processes can map: a sealed `memfd`, mapped read-write here,
 /// zeroed, page-aligned. Freed (unmapped, closed) when this value and every [`Window`]
@@ -154,25 +155,21 @@ pub(crate) struct Published {
 }
 
 impl Published {
-    /// Bytes of [`Published::to_bytes`].
-    pub const BYTES: usize = 24;
-
     pub fn to_bytes(self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(Self::BYTES);
-        out.extend_from_slice(&self.pid.to_le_bytes());
-        out.extend_from_slice(&self.fd.to_le_bytes());
-        out.extend_from_slice(&self.base.to_le_bytes());
-        out.extend_from_slice(&self.len.to_le_bytes());
-        out
+        let mut w = Writer::default();
+        w.u32(self.pid).i32(self.fd).u64(self.base).u64(self.len);
+        w.into_vec()
     }
 
     pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        (b.len() == Self::BYTES).then(|| Published {
-            pid: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
-            fd: i32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
-            base: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
-            len: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
-        })
+        let mut c = Cursor::new(b);
+        let published = Published {
+            pid: c.u32().ok()?,
+            fd: c.i32().ok()?,
+            base: c.u64().ok()?,
+            len: c.u64().ok()?,
+        };
+        c.is_empty().then_some(published)
     }
 }
 
@@ -284,9 +281,14 @@ mod tests {
         let (found, published) = find(base + 100, 9_900).expect("inside the allocation");
         assert_eq!(found.ptr.as_ptr() as usize, base);
         assert_eq!((published.base, published.len), (base as u64, 10_000));
+        let bytes = published.to_bytes();
+        assert_eq!(bytes.len(), 24);
+        assert_eq!(Published::from_bytes(&bytes), Some(published));
+        // Anything but its own length is not a publication.
+        assert_eq!(Published::from_bytes(&bytes[..23]), None);
         assert_eq!(
-            Published::from_bytes(&published.to_bytes()),
-            Some(published)
+            Published::from_bytes(&[bytes.as_slice(), &[0]].concat()),
+            None
         );
         assert!(find(base + 100, 9_901).is_none(), "one byte past its end");
         drop(found);
