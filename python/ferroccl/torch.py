@@ -447,15 +447,13 @@ def empty_shared(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     """A zeroed CPU tensor in a new :class:`ferroccl.SharedMemory`, the memory
     :func:`register_window` takes (``ncclMemAlloc``'s role; the tensor keeps the memory
     alive). ``size`` as for ``torch.empty``: integers, or one sequence of them."""
-    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-    count = 1
-    for n in shape:
-        count *= int(n)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    # torch reads `size` as torch.empty does, on the meta device (nothing allocated).
+    like = torch.empty(*(size or ((),)), dtype=dtype, device="meta")
+    nbytes = like.numel() * like.element_size()
     import numpy  # noqa: PLC0415 (the `torch` extra installs it; needed only here)
 
-    raw = torch.from_numpy(numpy.asarray(_ferroccl.SharedMemory(count * itemsize)))
-    return raw[: count * itemsize].view(dtype).view(shape)
+    raw = torch.from_numpy(numpy.asarray(_ferroccl.SharedMemory(nbytes)))
+    return raw[:nbytes].view(dtype).view(like.shape)
 
 
 def _backend_of(group: Any) -> FerrocclBackend:
