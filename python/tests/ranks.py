@@ -654,6 +654,12 @@ def torch_windows() -> None:
     checked["refused in s"] = time.monotonic() - started
     gloo = dist.new_group(backend="gloo")
     checked["gloo group"] = failure(lambda: ft.register_window(block, group=gloo))
+    first = dist.new_group(ranks=[0], backend="ferroccl")
+    checked["not a member"] = None if RANK == 0 else failure(lambda: ft.register_window(block, group=first))
+    backend = ft._backend_of(None)
+    backend.start_coalescing()
+    checked["coalescing"] = failure(lambda: ft.register_window(block))
+    backend.end_coalescing().wait()
     small = torch.full((5,), float(RANK + 1))
     dist.all_reduce(small)
     checked["after"] = small.tolist()

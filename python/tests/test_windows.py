@@ -52,6 +52,9 @@ def test_windows_through_the_torch_backend(world: int, debug: str) -> None:
         assert "registering a window: rank 0: " in refused and "not contiguous" in refused, r
         assert r["refused in s"] < 30, r
         assert "'gloo'" in r["gloo group"] and "not 'ferroccl'" in r["gloo group"], r
+        if rank > 0:
+            assert "not a member of the group" in r["not a member"], r
+        assert "inside a coalescing window" in r["coalescing"], r
         assert r["after"] == [world * (world + 1) / 2] * 5, r
         # The 4 MiB all-reduce read the peers in place while the windows were live, and
         # went through the FIFOs once they were gone.

@@ -151,6 +151,15 @@ int main(void) {
                  ncclInvalidArgument, "winFlags 0x2");
     expect_error("window into NULL", ncclCommWindowRegister(comm, wmem, 64, NULL, 0),
                  ncclInvalidArgument, "win is NULL");
+    expect_error("window of NULL", ncclCommWindowRegister(comm, NULL, 64, &win, 0),
+                 ncclInvalidArgument, "buff is NULL for 64 bytes");
+    CHECK(ncclGroupStart());
+    expect_error("window inside a group", ncclCommWindowRegister(comm, wmem, 64, &win, 0),
+                 ncclInvalidUsage, "inside ncclGroupStart/ncclGroupEnd");
+    CHECK(ncclGroupEnd());
+    /* After those refusals the communicator registers as before. */
+    CHECK(ncclCommWindowRegister(comm, wmem, 64, &win, 0));
+    CHECK(ncclCommWindowDeregister(comm, win));
     CHECK(ncclMemFree(wmem));
   }
 #endif
