@@ -285,3 +285,42 @@ fn windows_must_be_shared_memory_and_are_refused_alike_on_every_rank() {
     });
     assert_eq!(out, [3, 3]);
 }
+
+/// A step whose FIFO was never made (the plan and the connections disagree: an internal
+/// invariant, here broken on purpose by marking a new plan connected) fails the call
+/// with the step and channel named, on every rank, instead of waiting on a FIFO that is
+/// not there.
+#[test]
+fn a_step_without_its_fifo_fails_naming_it() {
+    let cs = comms(3);
+    let errors = on_all(&cs, |c| {
+        let send = [1f32, 2.0];
+        let mut recv = [0f32; 2];
+        let raw = RawCall {
+            collective: Collective::AllReduce,
+            count: 2,
+            dtype: DataType::Float32,
+            op: ReduceOp::Sum,
+            input: send.as_ptr().cast(),
+            output: recv.as_mut_ptr().cast(),
+        };
+        {
+            let mut st = c.lock();
+            let cached = c
+                .single_plan(c.host_planner(0), &mut st.last_plan, &raw)
+                .unwrap();
+            // The one-shot sends to both peers; the ring made only the FIFO to the next.
+            assert_eq!(cached.choice.algorithm, Algorithm::OneShot);
+            st.last_plan.as_mut().unwrap().connected = true;
+        }
+        c.all_reduce(&send, &mut recv, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("engine: no connection for step") && e.contains("on channel 0"),
+            "rank {rank}: {e}"
+        );
+    }
+}

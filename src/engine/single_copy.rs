@@ -10,7 +10,7 @@
 //! [`PostedRegions`]: until the peer releases it, no step of this rank writes memory
 //! that overlaps it, and the call does not return.
 
-use super::{LaneState, OpBuffers, SliceSlots, addr, move_slice, op_of};
+use super::{LaneState, OpBuffers, SliceSlots, addr, move_slice, no_connection, op_of};
 use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
 use crate::reduce::copy::copy_maybe_overlapping;
@@ -182,13 +182,6 @@ pub(super) unsafe fn advance_step(
         end: start + bytes,
     });
     Ok((true, true))
-}
-
-fn no_connection(step: &Step, channel: usize) -> Error {
-    Error::invalid(format!(
-        "engine: no connection for single-copy step `{step}` on channel {channel} (plan \
-         and transport configuration disagree)"
-    ))
 }
 
 /// What a step publishes, and whether its reader must apply the op's pre-operation: a
