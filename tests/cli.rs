@@ -749,6 +749,24 @@ fn limits_prints_the_floor_and_the_bounds_and_stops_quietly_on_a_closed_pipe() {
         .map(|r| r["ranks"].as_u64().unwrap())
         .collect();
     assert_eq!(ranks, [2, 4], "{doc}");
+    // The bound takes the better of copies and reductions: (3n-1)*S bytes at that
+    // read+write bandwidth, as busbw (factor 2(n-1)/n): rw/5 on 2 ranks, 1.5*rw/11 on 4.
+    for (row, factor) in doc["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip([0.2, 1.5 / 11.0])
+    {
+        let gbs = |key: &str| row[key].as_f64().unwrap();
+        let (copy, reduce) = (gbs("copy_read_write_gbs"), gbs("reduce_read_write_gbs"));
+        assert!(copy > 0.0 && reduce > 0.0, "{row}");
+        assert_eq!(gbs("read_write_gbs"), copy.max(reduce), "{row}");
+        let bound = gbs("all_reduce_bound_busbw_gbs");
+        assert!(
+            (bound - factor * copy.max(reduce)).abs() < 1e-9 * bound,
+            "{row}"
+        );
+    }
 
     let mut child = Command::new(LIMITS)
         .args(quick)
