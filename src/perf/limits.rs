@@ -25,6 +25,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::reduce::Kernel;
+use crate::types::{DataType, ReduceOp};
 
 /// Pins the calling thread to `cpu`.
 fn pin_to(cpu: usize) -> Result<()> {
@@ -127,14 +129,25 @@ impl Pass {
         }
     }
 
-    /// Runs the pass once over `dst` and `src` (of equal lengths).
+    /// Runs the pass once over `dst` and `src` (of equal lengths); a reduction runs the
+    /// engine's own kernel.
     fn run(self, dst: &mut [f32], src: &[f32]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "a pass over buffers of different lengths"
+        );
         match self {
             Pass::Copy => dst.copy_from_slice(src),
             Pass::Reduce => {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d += *s;
-                }
+                let sum = Kernel::new(DataType::Float32, ReduceOp::Sum, 1)
+                    .expect("a sum of float32 is a valid kernel");
+                let d = dst.as_mut_ptr().cast::<u8>();
+                // SAFETY: the kernel's dtype is f32; `dst` and `src` hold `dst.len()`
+                // elements each (checked above), and `dst` is passed as its own first
+                // operand, which the kernel allows (exactly equal, not overlapping
+                // `src`: the borrows are distinct).
+                unsafe { sum.reduce(d, d, src.as_ptr().cast(), dst.len()) };
             }
         }
     }
