@@ -39,7 +39,8 @@ use crate::plan::{self, Algorithm, Collective, Plan, PlanOptions};
 use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::{Bell, Closed};
-use crate::transport::{Connections, Protocol, TransportConfig};
+use crate::transport::{Connections, Protocol, SlotStores, TransportConfig};
+use crate::tune::far_stores::{FarSlotStores, FarStoreTrial, Verdict};
 use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
@@ -119,6 +120,9 @@ struct State {
     windows: HashMap<u64, u64>,
     /// Windows registered so far (the next one's number).
     windows_made: u64,
+    /// How host calls of each size write their slots towards far peers, timed on the
+    /// calls (`FERROCCL_SLOT_STORES=auto`).
+    far_stores: FarStoreTrial,
 }
 
 /// Scratch memory kept between calls (4 MiB): the direct algorithms' fold slots are a
@@ -182,7 +186,7 @@ impl RawCall {
     /// bytes that does not overlap the input; in place, the input's lines are already
     /// cached when the result replaces them, and a streaming store would only evict
     /// them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming), and
-    /// whether its buffers are smaller than that ([`OpBuffers::fits_cache`]).
+    /// whether its buffers are smaller than that (then [`OpBuffers::may_stream_slots`]).
     fn cache_use(&self, rank: usize, nranks: usize) -> (bool, bool) {
         let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
         let elem = self.dtype.size();
@@ -444,6 +448,7 @@ impl Communicator {
                 device: None,
                 windows: HashMap::new(),
                 windows_made: 0,
+                far_stores: FarStoreTrial::default(),
             }),
             splits: AtomicU64::new(0),
             turns: Turns::default(),
@@ -794,6 +799,14 @@ impl Communicator {
             (elems * raw.dtype.size()).div_ceil(8)
         };
         let total: usize = raws.iter().zip(per_op).map(words).sum();
+        // How the call writes its slots towards far peers, and whether it is timed to
+        // choose that for calls of its size.
+        let (far_stores, sample) = match self.config.slot_stores {
+            SlotStores::Auto => st
+                .far_stores
+                .next(raws.iter().map(|r| r.count * r.dtype.size()).sum()),
+            SlotStores::Plain | SlotStores::Streaming => (FarSlotStores::Streaming, None),
+        };
         if st.scratch.len() < total {
             st.scratch = vec![0u64; total];
         }
@@ -806,7 +819,7 @@ impl Communicator {
                     // SAFETY: the buffer holds `total` words, the sum of every operation's.
                     next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
                 }
-                self.op_buffers(raw, choice, scratch)
+                self.op_buffers(raw, choice, scratch, far_stores)
             };
         let one_op: [OpBuffers; 1];
         let many_ops: Vec<OpBuffers>;
@@ -836,7 +849,13 @@ impl Communicator {
         // (the communicator's buffer, which nothing else touches or resizes until the
         // call returns); the plan's regions stay inside them because the plan was made
         // from the same counts.
+        let started = sample.map(|_| Instant::now());
         let result = unsafe { Self::connect_and_execute(st, fused.as_ref(), ops, &call) };
+        if let (Ok(()), Some(sample), Some(started)) = (&result, sample, started)
+            && let Some(verdict) = st.far_stores.record(sample, started.elapsed())
+        {
+            self.log_far_stores(&verdict);
+        }
         if st.scratch.len() > KEPT_SCRATCH_WORDS {
             st.scratch = Vec::new();
         }
@@ -888,10 +907,33 @@ impl Communicator {
         Ok(())
     }
 
+    /// Logs a trial's verdict on slot stores towards far peers when it changes the way.
+    fn log_far_stores(&self, v: &Verdict) {
+        if v.changed {
+            tracing::debug!(
+                "rank {}: calls of {}–{} KiB now write slots towards far peers with {} stores \
+                 (median {:.1} µs non-temporal, {:.1} µs plain)",
+                self.rank,
+                v.bytes.0 >> 10,
+                v.bytes.1 >> 10,
+                v.stores.name(),
+                v.medians[0].as_secs_f64() * 1e6,
+                v.medians[1].as_secs_f64() * 1e6,
+            );
+        }
+    }
+
     /// The buffers and kernels of one operation of a host call (`scratch`: its part of
-    /// the call's scratch memory, or null).
+    /// the call's scratch memory, or null; `far_stores`: how the call may write slots
+    /// towards far peers).
     #[inline]
-    fn op_buffers(&self, raw: &RawCall, choice: Choice, scratch: *mut u8) -> Result<OpBuffers> {
+    fn op_buffers(
+        &self,
+        raw: &RawCall,
+        choice: Choice,
+        scratch: *mut u8,
+        far_stores: FarSlotStores,
+    ) -> Result<OpBuffers> {
         let (reducing, op) = raw.reduction();
         let plain = match op {
             ReduceOp::PreMulSum(_) => ReduceOp::Sum,
@@ -907,7 +949,7 @@ impl Communicator {
             scratch,
             protocol: choice.protocol,
             streaming,
-            fits_cache,
+            may_stream_slots: fits_cache && far_stores == FarSlotStores::Streaming,
         })
     }
 

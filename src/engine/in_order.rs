@@ -173,7 +173,7 @@ mod tests {
             plain: kernel,
             reducing: true,
             streaming: false,
-            fits_cache: true,
+            may_stream_slots: true,
         }]
     }
 

@@ -63,12 +63,13 @@ pub struct OpBuffers {
     /// ([`crate::reduce::stream`]): for outputs of at least [`STREAMING_FROM`] bytes,
     /// which the caches could not keep anyway.
     pub streaming: bool,
-    /// Whether the call's buffers are smaller than [`STREAMING_FROM`]: only then do
-    /// slots towards a far peer go past the caches ([`Connections::streams_slots_to`]).
-    /// A larger call is bound by memory bandwidth, and a slot sent through memory adds
-    /// two passes over it (2 ranks, far placement: 8–128 MiB at 7.3 GB/s with plain
-    /// slot stores, 3.2 with non-temporal ones).
-    pub fits_cache: bool,
+    /// Whether slots towards a far peer may be written past the caches
+    /// ([`Connections::streams_slots_to`]): the call's buffers are smaller than
+    /// [`STREAMING_FROM`], and the trial of its size chose non-temporal stores
+    /// ([`crate::tune::far_stores`]). A larger call is bound by memory bandwidth, and a
+    /// slot sent through memory adds two passes over it (2 ranks, far placement: 8–128
+    /// MiB at 7.3 GB/s with plain slot stores, 3.2 with non-temporal ones).
+    pub may_stream_slots: bool,
 }
 
 /// Output size (bytes per rank) from which the engine writes results with streaming
@@ -523,7 +524,7 @@ unsafe fn advance(
         }
         // Slots towards a peer whose cache is far are written past this rank's cache.
         let far = to.is_some_and(|p| {
-            op.protocol == Protocol::Simple && conns.streams_slots_to(p, op.fits_cache)
+            op.protocol == Protocol::Simple && conns.streams_slots_to(p, op.may_stream_slots)
         });
         let (send, recv) = conns.ends(channel, op.protocol, to, from);
         let (mut send, mut recv) = match (

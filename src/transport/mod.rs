@@ -52,8 +52,9 @@ use crate::tune::Crowding;
 /// (`FERROCCL_SLOT_STORES`; see [`fifo`], "far" peers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum SlotStores {
-    /// Plain stores, and non-temporal ones towards a peer whose cache the hand-offs
-    /// measure as far.
+    /// Plain stores, and towards a peer whose cache the hand-offs measure as far, the
+    /// faster of plain and non-temporal ones, timed on the calls
+    /// ([`crate::tune::far_stores`]).
     #[default]
     Auto,
     /// Plain stores always.
@@ -653,17 +654,18 @@ impl Connections {
 
     /// Whether a call's slots towards `peer` should be written with non-temporal
     /// stores: it is on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`)
-    /// the call's buffers `fit_cache` and `peer` finds this rank's Simple slots coming
-    /// from a far cache ([`fifo::SendEnd::receiver_finds_far`]: each receiver judges its
-    /// own sender, so the next rank of a ring judges this one).
-    pub fn streams_slots_to(&self, peer: usize, fit_cache: bool) -> bool {
+    /// the call `may_stream` (its buffers fit the caches and the trial of its size chose
+    /// non-temporal stores) and `peer` finds this rank's Simple slots coming from a far
+    /// cache ([`fifo::SendEnd::receiver_finds_far`]: each receiver judges its own
+    /// sender, so the next rank of a ring judges this one).
+    pub fn streams_slots_to(&self, peer: usize, may_stream: bool) -> bool {
         let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
         match self.slot_stores {
             SlotStores::Plain => false,
             SlotStores::Streaming => {
                 peer != self.rank && peer < self.nranks && (0..self.links.len()).all(on_host)
             }
-            SlotStores::Auto if !fit_cache => false,
+            SlotStores::Auto if !may_stream => false,
             SlotStores::Auto => {
                 let simple = Protocol::Simple.index();
                 self.sends[simple].iter().enumerate().any(|(ci, per_peer)| {
