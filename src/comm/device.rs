@@ -50,8 +50,7 @@ impl Communicator {
         let fused;
         let (plan, choices) = match raws {
             [raw] => {
-                let cached =
-                    self.single_plan(&self.device_planner, &mut st.last_device_plan, raw)?;
+                let cached = self.single_plan(&self.device_planner, &mut st.device_plans, raw)?;
                 (&cached.plan, vec![cached.choice])
             }
             _ => {

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 pub use config::CommConfig;
-use planning::Planner;
+use planning::{PlanCache, Planner};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::engine::progress::{Pending, ProgressThread, Turns, pending};
@@ -106,11 +106,10 @@ struct State {
     conns: Connections,
     /// Sequence number of the next call.
     seq: u64,
-    /// The plan of the last single-operation call: loops that repeat one call
-    /// (training steps, benchmarks) plan once.
-    last_plan: Option<CachedPlan>,
+    /// The plans of the last few distinct single-operation host calls.
+    host_plans: PlanCache,
     /// The same for calls on device memory (planned by the device planner).
-    last_device_plan: Option<CachedPlan>,
+    device_plans: PlanCache,
     /// Scratch memory of host calls (in words, for 8-byte alignment).
     scratch: Vec<u64>,
     /// The device side, made by the first call on device memory.
@@ -442,8 +441,8 @@ impl Communicator {
             state: Mutex::new(State {
                 conns,
                 seq: 0,
-                last_plan: None,
-                last_device_plan: None,
+                host_plans: PlanCache::default(),
+                device_plans: PlanCache::default(),
                 scratch: Vec::new(),
                 device: None,
                 windows: HashMap::new(),
@@ -777,7 +776,7 @@ impl Communicator {
         let (fused, name, per_op): (_, _, &[(Choice, usize)]) = match raws {
             [raw] => {
                 let planner = self.host_planner(st.windows.len());
-                let cached = self.single_plan(planner, &mut st.last_plan, raw)?;
+                let cached = self.single_plan(planner, &mut st.host_plans, raw)?;
                 single = [(cached.choice, cached.scratch_elems)];
                 (None, raw.collective.name(), &single)
             }
@@ -871,7 +870,8 @@ impl Communicator {
         }
     }
 
-    /// Runs a host call's plan: `fused`, or the last single-operation plan. The first
+    /// Runs a host call's plan: `fused`, or the current single-operation plan (the one
+    /// the call found or made). The first
     /// call of a plan makes the FIFOs it needs beyond the rings'.
     ///
     /// # Safety
@@ -884,11 +884,11 @@ impl Communicator {
     ) -> Result<()> {
         let plan = match fused {
             Some(fused) => fused,
-            None => &st.last_plan.as_ref().expect("planned above").plan,
+            None => &st.host_plans.current().expect("planned above").plan,
         };
         let cached = match fused {
             Some(_) => None,
-            None => st.last_plan.as_ref(),
+            None => st.host_plans.current(),
         };
         if !cached.is_some_and(|c| c.connected) {
             engine::connect_for(plan, ops, &mut st.conns, call)?;
@@ -899,7 +899,7 @@ impl Communicator {
         // SAFETY: forwarded from this function's contract.
         unsafe { engine::execute(schedule, plan, ops, &mut st.conns, call) }?;
         if fused.is_none()
-            && let Some(c) = st.last_plan.as_mut()
+            && let Some(c) = st.host_plans.current_mut()
         {
             c.connected = true;
             c.schedule = Some(schedule);

@@ -307,11 +307,11 @@ fn a_step_without_its_fifo_fails_naming_it() {
         {
             let mut st = c.lock();
             let cached = c
-                .single_plan(c.host_planner(0), &mut st.last_plan, &raw)
+                .single_plan(c.host_planner(0), &mut st.host_plans, &raw)
                 .unwrap();
             // The one-shot sends to both peers; the ring made only the FIFO to the next.
             assert_eq!(cached.choice.algorithm, Algorithm::OneShot);
-            st.last_plan.as_mut().unwrap().connected = true;
+            st.host_plans.current_mut().unwrap().connected = true;
         }
         c.all_reduce(&send, &mut recv, ReduceOp::Sum)
             .unwrap_err()
@@ -352,4 +352,51 @@ fn results_stay_right_while_trials_alternate_the_far_slot_stores() {
         counts.map(|n| st.far_stores.trials_done(n * 4))
     });
     assert_eq!(trials, [[1; 3]; 2], "each rank ran one trial of each size");
+}
+
+#[test]
+fn alternating_calls_keep_their_plans_and_stay_right() {
+    let cs = comms(3);
+    // Ten distinct calls, more than are kept, three times round; then two alternating.
+    let counts = [0usize, 1, 2, 3, 7, 100, 1000, 4099, 10_007, 65_536];
+    let run = |c: &Communicator, count: usize, round: usize| {
+        let send: Vec<i32> = (0..count)
+            .map(|i| (i * 7 + round + c.rank()) as i32)
+            .collect();
+        let mut recv = vec![-1i32; count];
+        c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+        for (i, v) in recv.iter().enumerate() {
+            assert_eq!(
+                *v,
+                (3 * (i * 7 + round) + 3) as i32,
+                "count {count} round {round} [{i}]"
+            );
+        }
+    };
+    let keys = on_all(&cs, |c| {
+        for round in 0..3 {
+            for &count in &counts {
+                run(c, count, round);
+            }
+        }
+        assert_eq!(c.lock().host_plans.keys().len(), PlanCache::KEPT);
+        for round in 0..20 {
+            run(c, 5, round);
+            run(c, 1000, round);
+        }
+        c.lock().host_plans.keys()
+    });
+    let key = |count| (Collective::AllReduce, count, 4);
+    for k in keys {
+        assert_eq!(k.len(), PlanCache::KEPT);
+        assert_eq!(
+            k[..2],
+            [key(1000), key(5)],
+            "the two alternating calls, most recent first"
+        );
+        assert!(
+            !k.contains(&key(1)),
+            "the least recently used went first: {k:?}"
+        );
+    }
 }

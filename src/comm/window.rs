@@ -102,7 +102,7 @@ impl Communicator {
         let window = Window::new(id, allocation);
         st.windows.insert(window.token, id);
         // Plans made without windows may not be the plans with them.
-        st.last_plan = None;
+        st.host_plans.clear();
         tracing::info!(
             "rank {}: window {id} of {len} bytes at {addr:#x} registered",
             self.rank
@@ -125,7 +125,7 @@ impl Communicator {
             if let Some(memory) = st.conns.peer_memory_mut() {
                 memory.remove_window(id);
             }
-            st.last_plan = None;
+            st.host_plans.clear();
             Ok(())
         })
     }
