@@ -51,7 +51,7 @@
 //! and `FERROCCL_TUNE_NET` (`alpha_us,gbps`) set them. All ranks
 //! use rank 0's model (exchanged at initialisation), so they always agree.
 
-pub mod far_stores;
+pub mod stores;
 
 use crate::error::{Error, Result};
 use crate::plan::Protocol;

@@ -40,7 +40,7 @@ use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::{Bell, Closed};
 use crate::transport::{Connections, Protocol, SlotStores, TransportConfig};
-use crate::tune::far_stores::{FarSlotStores, FarStoreTrial, Verdict};
+use crate::tune::stores::{StoreTrial, Stores, Verdict};
 use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
@@ -119,9 +119,9 @@ struct State {
     windows: HashMap<u64, u64>,
     /// Windows registered so far (the next one's number).
     windows_made: u64,
-    /// How host calls of each size write their slots towards far peers, timed on the
-    /// calls (`FERROCCL_SLOT_STORES=auto`).
-    far_stores: FarStoreTrial,
+    /// Whether host calls of each size write past the caches (slots towards far peers,
+    /// large results), timed on the calls (`FERROCCL_SLOT_STORES=auto`).
+    store_trial: StoreTrial,
 }
 
 /// Scratch memory kept between calls (4 MiB): the direct algorithms' fold slots are a
@@ -447,7 +447,7 @@ impl Communicator {
                 device: None,
                 windows: HashMap::new(),
                 windows_made: 0,
-                far_stores: FarStoreTrial::default(),
+                store_trial: StoreTrial::default(),
             }),
             splits: AtomicU64::new(0),
             turns: Turns::default(),
@@ -798,13 +798,13 @@ impl Communicator {
             (elems * raw.dtype.size()).div_ceil(8)
         };
         let total: usize = raws.iter().zip(per_op).map(words).sum();
-        // How the call writes its slots towards far peers, and whether it is timed to
-        // choose that for calls of its size.
-        let (far_stores, sample) = match self.config.slot_stores {
+        // Whether the call writes past the caches what it may (slots towards far peers,
+        // large results), and whether it is timed to choose that for calls of its size.
+        let (stores, sample) = match self.config.slot_stores {
             SlotStores::Auto => st
-                .far_stores
+                .store_trial
                 .next(raws.iter().map(|r| r.count * r.dtype.size()).sum()),
-            SlotStores::Plain | SlotStores::Streaming => (FarSlotStores::Streaming, None),
+            SlotStores::Plain | SlotStores::Streaming => (Stores::NonTemporal, None),
         };
         if st.scratch.len() < total {
             st.scratch = vec![0u64; total];
@@ -818,7 +818,7 @@ impl Communicator {
                     // SAFETY: the buffer holds `total` words, the sum of every operation's.
                     next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
                 }
-                self.op_buffers(raw, choice, scratch, far_stores)
+                self.op_buffers(raw, choice, scratch, stores)
             };
         let one_op: [OpBuffers; 1];
         let many_ops: Vec<OpBuffers>;
@@ -851,9 +851,9 @@ impl Communicator {
         let started = sample.map(|_| Instant::now());
         let result = unsafe { Self::connect_and_execute(st, fused.as_ref(), ops, &call) };
         if let (Ok(()), Some(sample), Some(started)) = (&result, sample, started)
-            && let Some(verdict) = st.far_stores.record(sample, started.elapsed())
+            && let Some(verdict) = st.store_trial.record(sample, started.elapsed())
         {
-            self.log_far_stores(&verdict);
+            self.log_stores(&verdict);
         }
         if st.scratch.len() > KEPT_SCRATCH_WORDS {
             st.scratch = Vec::new();
@@ -907,15 +907,19 @@ impl Communicator {
         Ok(())
     }
 
-    /// Logs a trial's verdict on slot stores towards far peers when it changes the way.
-    fn log_far_stores(&self, v: &Verdict) {
+    /// Logs a trial's verdict on non-temporal stores when it changes the way.
+    fn log_stores(&self, v: &Verdict) {
         if v.changed {
+            let what = match v.bytes.0 < crate::tune::stores::LARGE {
+                true => "slots towards far peers",
+                false => "results",
+            };
+            let upto = v.bytes.1.map_or("".into(), |b| format!("–{} KiB", b >> 10));
             tracing::debug!(
-                "rank {}: calls of {}–{} KiB now write slots towards far peers with {} stores \
-                 (median {:.1} µs non-temporal, {:.1} µs plain)",
+                "rank {}: calls of {} KiB{upto} now write {what} with {} stores (median \
+                 {:.1} µs non-temporal, {:.1} µs plain)",
                 self.rank,
                 v.bytes.0 >> 10,
-                v.bytes.1 >> 10,
                 v.stores.name(),
                 v.medians[0].as_secs_f64() * 1e6,
                 v.medians[1].as_secs_f64() * 1e6,
@@ -924,15 +928,15 @@ impl Communicator {
     }
 
     /// The buffers and kernels of one operation of a host call (`scratch`: its part of
-    /// the call's scratch memory, or null; `far_stores`: how the call may write slots
-    /// towards far peers).
+    /// the call's scratch memory, or null; `stores`: whether the call may write past
+    /// the caches what it would).
     #[inline]
     fn op_buffers(
         &self,
         raw: &RawCall,
         choice: Choice,
         scratch: *mut u8,
-        far_stores: FarSlotStores,
+        stores: Stores,
     ) -> Result<OpBuffers> {
         let (reducing, op) = raw.reduction();
         let plain = match op {
@@ -948,8 +952,8 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
-            streaming,
-            may_stream_slots: fits_cache && far_stores == FarSlotStores::Streaming,
+            streaming: streaming && stores == Stores::NonTemporal,
+            may_stream_slots: fits_cache && stores == Stores::NonTemporal,
         })
     }
 

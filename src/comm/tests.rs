@@ -326,32 +326,34 @@ fn a_step_without_its_fifo_fails_naming_it() {
 }
 
 #[test]
-fn results_stay_right_while_trials_alternate_the_far_slot_stores() {
-    use crate::tune::far_stores::TRIAL_CALLS;
+fn results_stay_right_while_trials_alternate_the_stores() {
+    use crate::tune::stores::{LARGE, PAIRED_TRIAL_CALLS, SINGLE_TRIAL_CALLS};
     let cs = comms(2);
-    // 4 KiB (one slot), a prime count (400 KB) and 2 MiB: three size groups.
-    let counts = [1024usize, 100_003, 1 << 19];
+    // 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB (results streamed or
+    // not): four size groups, each tried once, out of place.
+    let counts = [1024usize, 100_003, 1 << 19, LARGE / 4];
     let trials = on_all(&cs, |c| {
         for &count in &counts {
-            for call in 0..2 * TRIAL_CALLS as usize {
+            let calls = match count * 4 < LARGE {
+                true => 2 * PAIRED_TRIAL_CALLS,
+                false => 2 * SINGLE_TRIAL_CALLS,
+            };
+            for call in 0..calls as usize {
                 let send: Vec<f32> = (0..count)
                     .map(|i| ((i + call) % 97 + c.rank()) as f32)
                     .collect();
                 let mut recv = vec![0f32; count];
                 c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
                 for (i, v) in recv.iter().enumerate() {
-                    assert_eq!(
-                        *v,
-                        (2 * ((i + call) % 97) + 1) as f32,
-                        "count {count} call {call} [{i}]"
-                    );
+                    let want = (2 * ((i + call) % 97) + 1) as f32;
+                    assert_eq!(*v, want, "count {count} call {call} [{i}]");
                 }
             }
         }
         let st = c.lock();
-        counts.map(|n| st.far_stores.trials_done(n * 4))
+        counts.map(|n| st.store_trial.trials_done(n * 4))
     });
-    assert_eq!(trials, [[1; 3]; 2], "each rank ran one trial of each size");
+    assert_eq!(trials, [[1; 4]; 2], "each rank ran one trial of each size");
 }
 
 #[test]

@@ -61,12 +61,13 @@ pub struct OpBuffers {
     pub reducing: bool,
     /// Whether results written to the output buffer go past the caches
     /// ([`crate::reduce::stream`]): for outputs of at least [`STREAMING_FROM`] bytes,
-    /// which the caches could not keep anyway.
+    /// which the caches could not keep anyway, when the trial of the call's size chose
+    /// non-temporal stores ([`crate::tune::stores`]).
     pub streaming: bool,
     /// Whether slots towards a far peer may be written past the caches
     /// ([`Connections::streams_slots_to`]): the call's buffers are smaller than
     /// [`STREAMING_FROM`], and the trial of its size chose non-temporal stores
-    /// ([`crate::tune::far_stores`]). A larger call is bound by memory bandwidth, and a
+    /// ([`crate::tune::stores`]). A larger call is bound by memory bandwidth, and a
     /// slot sent through memory adds two passes over it (2 ranks, far placement: 8–128
     /// MiB at 7.3 GB/s with plain slot stores, 3.2 with non-temporal ones).
     pub may_stream_slots: bool,
@@ -76,7 +77,10 @@ pub struct OpBuffers {
 /// stores. Measured on the project's 2-core VM (32 MiB of L3; 2 ranks, ring all-reduce,
 /// out of place, busbw GB/s plain → streaming): 2 MiB 15.6 → 6.5 (the buffers fit in
 /// the cache, which streaming bypasses), 4 MiB 8.0 → 6.5, 8 MiB 4.4 → 6.7, 32 MiB
-/// 4.0 → 5.6–7.0, 128 MiB 4.5 → 7.3.
+/// 4.0 → 5.6–7.0, 128 MiB 4.5 → 7.3. On a host of 2026-11-28 plain stores were faster
+/// with the vCPUs far apart (8 MiB 15.3–18.2 against 9.0–9.1, 128 MiB 9.3–9.9 against
+/// 7.9–8.4) and slower with them near, so the calls' own times choose
+/// ([`crate::tune::stores`]); this is where that choice begins.
 pub const STREAMING_FROM: usize = 8 << 20;
 
 /// Slices of at least this many bytes bound for a far peer's slot

@@ -54,7 +54,7 @@ use crate::tune::Crowding;
 pub enum SlotStores {
     /// Plain stores, and towards a peer whose cache the hand-offs measure as far, the
     /// faster of plain and non-temporal ones, timed on the calls
-    /// ([`crate::tune::far_stores`]).
+    /// ([`crate::tune::stores`]).
     #[default]
     Auto,
     /// Plain stores always.

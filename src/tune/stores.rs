@@ -1,0 +1,377 @@
+//! Whether a call's non-temporal stores pay, chosen by timing the calls themselves.
+//!
+//! The engine writes two things past the caches with non-temporal stores: the FIFO slots
+//! of calls below [`LARGE`] towards a peer whose cache measures far, and the results of
+//! calls of [`LARGE`] or more ([`crate::engine::STREAMING_FROM`]). No model predicts
+//! whether either pays. On this project's VM kind, with the two vCPUs far apart (a cache
+//! line 0.20–0.26 µs one way), 2 ranks:
+//!
+//! - **slots:** non-temporal stores were 2–5× faster than plain ones on the hosts of
+//!   2026-11-25 (8 KiB–2 MiB: 4.6–11 GB/s against 1.5–2.2), and plain ones 1.4× faster in
+//!   a far round on a host of 2026-11-28 (128 KiB–2 MiB: 11.5–15.3 GB/s against
+//!   8.4–10.3), within 10 % in the rounds after;
+//! - **results:** on that host of 2026-11-28, plain stores were faster far (8 MiB 15.3–
+//!   18.2 GB/s against 9.0–9.1, 128 MiB 9.3–9.9 against 7.9–8.4) and non-temporal ones
+//!   near (16–128 MiB 14.0–17.7 against 10.3–13.9).
+//!
+//! So each size of call tries both ways and keeps the faster; it tries again every
+//! [`CYCLE`] calls of that size, since the VM moves its vCPUs within minutes.
+//!
+//! Calls are grouped by size in powers of two from [`SMALLEST`] (smaller calls write
+//! slices too short to stream and results too small). Below [`LARGE`], the first
+//! [`PAIRED_TRIAL_CALLS`] calls of every cycle alternate the two ways in pairs, and the
+//! second call of each pair is timed (the first one finds the caches as the other way
+//! left them); from [`LARGE`], where the buffers outgrow the caches and calls are few and
+//! long, the first [`SINGLE_TRIAL_CALLS`] alternate call by call and each is timed. The
+//! way with the lower median time is used until the next cycle.
+//!
+//! Where the trial falls is decided by the count of calls of the group alone, so ranks
+//! that make the same calls in the same order try the same way on the same call. Ranks
+//! that do not (point-to-point calls of different sizes) or whose timings disagree only
+//! lose time: the way bytes are stored never changes what they are.
+
+use std::time::Duration;
+
+/// How a call writes what it would write past the caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stores {
+    /// Non-temporal stores: the bytes go to memory, past this core's caches.
+    NonTemporal,
+    /// Plain stores: the bytes stay in this core's caches until evicted.
+    Plain,
+}
+
+impl Stores {
+    /// The two ways, in the order a trial alternates them.
+    const WAYS: [Stores; 2] = [Stores::NonTemporal, Stores::Plain];
+
+    /// How logs name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stores::NonTemporal => "non-temporal",
+            Stores::Plain => "plain",
+        }
+    }
+}
+
+/// Smallest call (bytes) that is tried: a slice must be 4 KiB to stream
+/// ([`crate::engine::FAR_SLOT_STREAMING_FROM`]).
+pub const SMALLEST: usize = 4 << 10;
+
+/// Calls of this many bytes or more stream their results, not their slots, and are tried
+/// call by call ([`crate::engine::STREAMING_FROM`]).
+pub const LARGE: usize = 8 << 20;
+
+/// Calls of this many bytes or more share the last size group.
+const LARGEST_GROUP: usize = 1 << 31;
+
+/// Timed calls of each way per trial below [`LARGE`].
+const PAIRED_SAMPLES: usize = 5;
+
+/// Timed calls of each way per trial from [`LARGE`].
+const SINGLE_SAMPLES: usize = 3;
+
+/// Calls a trial takes below [`LARGE`]: pairs of calls, alternating the ways.
+pub const PAIRED_TRIAL_CALLS: u32 = (2 * 2 * PAIRED_SAMPLES) as u32;
+
+/// Calls a trial takes from [`LARGE`]: single calls, alternating the ways.
+pub const SINGLE_TRIAL_CALLS: u32 = (2 * SINGLE_SAMPLES) as u32;
+
+/// Calls of one size group from the start of one trial to the next.
+pub const CYCLE: u32 = 1024;
+
+/// Size groups: powers of two from `SMALLEST` to `LARGEST_GROUP`.
+const GROUPS: usize = (LARGEST_GROUP.ilog2() - SMALLEST.ilog2() + 1) as usize;
+
+/// The size group of a call of `bytes` (at least `SMALLEST`).
+fn group_of(bytes: usize) -> usize {
+    (bytes.min(LARGEST_GROUP).ilog2() - SMALLEST.ilog2()) as usize
+}
+
+/// The smallest call of group `group`.
+fn group_start(group: usize) -> usize {
+    SMALLEST << group
+}
+
+/// A timed call of a trial, to report with [`StoreTrial::record`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    group: usize,
+    way: usize,
+    index: usize,
+}
+
+/// The outcome of a trial, for the log.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Verdict {
+    /// The calls it holds for: from `bytes.0` up to, not including, `bytes.1` (`None`:
+    /// every larger call).
+    pub bytes: (usize, Option<usize>),
+    /// The way those calls use until the next trial.
+    pub stores: Stores,
+    /// The median time of a call written each way: non-temporal, then plain.
+    pub medians: [Duration; 2],
+    /// Whether it differs from the way those calls used before.
+    pub changed: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Group {
+    /// Position of the next call in its cycle.
+    position: u32,
+    times: [[Duration; PAIRED_SAMPLES]; 2],
+    chosen: Stores,
+    /// Trials completed.
+    trials: u32,
+}
+
+/// The trials of every size group of one communicator.
+#[derive(Clone, Debug)]
+pub struct StoreTrial {
+    groups: [Group; GROUPS],
+}
+
+impl Default for StoreTrial {
+    fn default() -> Self {
+        let group = Group {
+            position: 0,
+            times: [[Duration::ZERO; PAIRED_SAMPLES]; 2],
+            chosen: Stores::NonTemporal,
+            trials: 0,
+        };
+        StoreTrial {
+            groups: [group; GROUPS],
+        }
+    }
+}
+
+impl StoreTrial {
+    /// How the next call of `bytes` writes what it would write past the caches, and
+    /// whether its time is a sample of a trial (then pass it to [`StoreTrial::record`]).
+    /// Calls below [`SMALLEST`] are not tried and may stream (they never reach a
+    /// streamed slice or result).
+    #[inline]
+    pub fn next(&mut self, bytes: usize) -> (Stores, Option<Sample>) {
+        if bytes < SMALLEST {
+            return (Stores::NonTemporal, None);
+        }
+        let group = group_of(bytes);
+        let g = &mut self.groups[group];
+        let position = g.position;
+        g.position = (position + 1) % CYCLE;
+        let paired = group_start(group) < LARGE;
+        let (trial_calls, per_way) = match paired {
+            true => (PAIRED_TRIAL_CALLS, 2),
+            false => (SINGLE_TRIAL_CALLS, 1),
+        };
+        if position >= trial_calls {
+            return (g.chosen, None);
+        }
+        let turn = (position / per_way) as usize;
+        let way = turn % 2;
+        let timed = !paired || position % 2 == 1;
+        let sample = timed.then_some(Sample {
+            group,
+            way,
+            index: turn / 2,
+        });
+        (Stores::WAYS[way], sample)
+    }
+
+    /// Trials completed so far for calls of `bytes`'s size group (0 below
+    /// [`SMALLEST`]).
+    pub fn trials_done(&self, bytes: usize) -> u32 {
+        match bytes < SMALLEST {
+            true => 0,
+            false => self.groups[group_of(bytes)].trials,
+        }
+    }
+
+    /// Records a timed call's `elapsed` time; after a trial's last sample, chooses the
+    /// way with the lower median and returns the verdict.
+    pub fn record(&mut self, sample: Sample, elapsed: Duration) -> Option<Verdict> {
+        let start = group_start(sample.group);
+        let samples = match start < LARGE {
+            true => PAIRED_SAMPLES,
+            false => SINGLE_SAMPLES,
+        };
+        let g = &mut self.groups[sample.group];
+        g.times[sample.way][sample.index] = elapsed;
+        if sample.way != 1 || sample.index != samples - 1 {
+            return None;
+        }
+        let medians = g.times.map(|mut t| {
+            let t = &mut t[..samples];
+            t.sort_unstable();
+            t[samples / 2]
+        });
+        let stores = match medians[1] < medians[0] {
+            true => Stores::Plain,
+            false => Stores::NonTemporal,
+        };
+        let changed = stores != g.chosen;
+        g.chosen = stores;
+        g.trials += 1;
+        let last = sample.group == GROUPS - 1;
+        Some(Verdict {
+            bytes: (start, (!last).then_some(2 * start)),
+            stores,
+            medians,
+            changed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `calls` calls of `bytes`, timing each way as `time` says; returns the ways
+    /// used and the verdicts.
+    fn run(
+        trial: &mut StoreTrial,
+        bytes: usize,
+        calls: u32,
+        time: impl Fn(Stores) -> Duration,
+    ) -> (Vec<Stores>, Vec<Verdict>) {
+        let mut ways = Vec::new();
+        let mut verdicts = Vec::new();
+        for _ in 0..calls {
+            let (way, sample) = trial.next(bytes);
+            ways.push(way);
+            if let Some(s) = sample {
+                verdicts.extend(trial.record(s, time(way)));
+            }
+        }
+        (ways, verdicts)
+    }
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn the_faster_way_wins_and_is_kept_until_the_next_trial() {
+        let mut trial = StoreTrial::default();
+        let plain_faster = |w| match w {
+            Stores::Plain => us(10),
+            Stores::NonTemporal => us(14),
+        };
+        let (ways, verdicts) = run(&mut trial, 100 << 10, CYCLE, plain_faster);
+        // The trial alternates the ways in pairs, non-temporal first.
+        let tried = PAIRED_TRIAL_CALLS as usize;
+        for (i, w) in ways[..tried].iter().enumerate() {
+            assert_eq!(*w, Stores::WAYS[(i / 2) % 2], "call {i}");
+        }
+        assert!(ways[tried..].iter().all(|w| *w == Stores::Plain));
+        assert_eq!(
+            verdicts,
+            [Verdict {
+                bytes: (64 << 10, Some(128 << 10)),
+                stores: Stores::Plain,
+                medians: [us(14), us(10)],
+                changed: true,
+            }]
+        );
+        // The next cycle tries again, and follows the machine when it changes.
+        let (ways, verdicts) = run(&mut trial, 100 << 10, CYCLE, |w| match w {
+            Stores::Plain => us(30),
+            Stores::NonTemporal => us(12),
+        });
+        assert_eq!(verdicts.len(), 1);
+        assert_eq!(verdicts[0].stores, Stores::NonTemporal);
+        assert!(verdicts[0].changed);
+        assert!(ways[tried..].iter().all(|w| *w == Stores::NonTemporal));
+        assert_eq!(trial.trials_done(100 << 10), 2);
+    }
+
+    #[test]
+    fn large_calls_alternate_call_by_call_and_time_each() {
+        let mut trial = StoreTrial::default();
+        let (ways, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS + 2, |w| match w {
+            Stores::Plain => us(900),
+            Stores::NonTemporal => us(1500),
+        });
+        let tried = SINGLE_TRIAL_CALLS as usize;
+        for (i, w) in ways[..tried].iter().enumerate() {
+            assert_eq!(*w, Stores::WAYS[i % 2], "call {i}");
+        }
+        assert_eq!(ways[tried..], [Stores::Plain; 2]);
+        assert_eq!(verdicts.len(), 1);
+        assert_eq!(verdicts[0].bytes, (LARGE, Some(2 * LARGE)));
+        assert_eq!(verdicts[0].medians, [us(1500), us(900)]);
+        // The largest calls share one group.
+        let (_, verdicts) = run(&mut trial, usize::MAX, SINGLE_TRIAL_CALLS, |_| us(1));
+        assert_eq!(verdicts[0].bytes, (LARGEST_GROUP, None));
+        assert_eq!(trial.trials_done(LARGEST_GROUP * 3), 1);
+    }
+
+    #[test]
+    fn the_median_ignores_a_few_outliers() {
+        let mut trial = StoreTrial::default();
+        let mut n = 0u32;
+        let mut verdict = None;
+        for _ in 0..PAIRED_TRIAL_CALLS {
+            let (way, sample) = trial.next(4 << 10);
+            if let Some(s) = sample {
+                n += 1;
+                // Plain is faster, but two of its five samples were preempted.
+                let t = match way {
+                    Stores::Plain if n.is_multiple_of(4) => us(500),
+                    Stores::Plain => us(5),
+                    Stores::NonTemporal => us(8),
+                };
+                verdict = trial.record(s, t).or(verdict);
+            }
+        }
+        let v = verdict.expect("a verdict after the trial's calls");
+        assert_eq!(v.stores, Stores::Plain);
+        assert_eq!(v.bytes, (4 << 10, Some(8 << 10)));
+    }
+
+    #[test]
+    fn sizes_are_tried_apart_and_small_calls_are_not_timed() {
+        let mut trial = StoreTrial::default();
+        for bytes in [0, 1, SMALLEST - 1] {
+            assert_eq!(trial.next(bytes), (Stores::NonTemporal, None), "{bytes}");
+            assert_eq!(trial.trials_done(bytes), 0);
+        }
+        // Plain wins for 8 KiB calls; 1 MiB calls, interleaved with them, have their own
+        // trial, which non-temporal stores win.
+        let time = |bytes: usize, w: Stores| match (bytes, w) {
+            (8192, Stores::Plain) => us(1),
+            (8192, Stores::NonTemporal) => us(2),
+            (_, Stores::Plain) => us(9),
+            (_, Stores::NonTemporal) => us(3),
+        };
+        let mut chosen = Vec::new();
+        for _ in 0..PAIRED_TRIAL_CALLS {
+            for bytes in [8192, 1 << 20] {
+                let (way, sample) = trial.next(bytes);
+                if let Some(s) = sample
+                    && let Some(v) = trial.record(s, time(bytes, way))
+                {
+                    chosen.push((v.bytes.0, v.stores));
+                }
+            }
+        }
+        assert_eq!(
+            chosen,
+            [(8192, Stores::Plain), (1 << 20, Stores::NonTemporal)]
+        );
+        // Just below `LARGE`, calls are still tried in pairs; a tie keeps non-temporal
+        // stores.
+        let (ways, verdicts) = run(&mut trial, LARGE - 1, PAIRED_TRIAL_CALLS, |_| us(1));
+        assert_eq!(
+            ways[..4],
+            [
+                Stores::NonTemporal,
+                Stores::NonTemporal,
+                Stores::Plain,
+                Stores::Plain
+            ]
+        );
+        assert_eq!(verdicts[0].bytes, (LARGE / 2, Some(LARGE)));
+        assert!(!verdicts[0].changed);
+    }
+}
