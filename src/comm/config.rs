@@ -54,7 +54,9 @@ pub struct CommConfig {
     /// hosts).
     pub transport: TransportChoice,
     /// How slots towards peers of this host are written: plain stores, non-temporal
-    /// ones, or (auto) non-temporal towards peers whose cache measures far.
+    /// ones, or (auto) towards peers whose cache measures far, whichever of the two the
+    /// calls time faster ([`crate::tune::stores`], which with auto also decides whether
+    /// results of 8 MiB or more are streamed).
     pub slot_stores: SlotStores,
     /// The algorithms the cost model may choose from (one to force it), for the
     /// collectives each applies to ([`Algorithm::applies_to`]).
