@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use config::CommConfig;
 use planning::{PlanCache, Planner};
@@ -40,7 +40,7 @@ use crate::reduce::Kernel;
 use crate::store::{HashStore, PrefixStore, Store};
 use crate::transport::bell::{Bell, Closed};
 use crate::transport::{Connections, Protocol, SlotStores, TransportConfig};
-use crate::tune::stores::{StoreTrial, Stores, Verdict};
+use crate::tune::stores::{Sample, StoreTrial, Stores};
 use crate::tune::{Choice, CostModel, Shape};
 use crate::types::{DataType, Element, ReduceOp};
 
@@ -798,14 +798,7 @@ impl Communicator {
             (elems * raw.dtype.size()).div_ceil(8)
         };
         let total: usize = raws.iter().zip(per_op).map(words).sum();
-        // Whether the call writes past the caches what it may (slots towards far peers,
-        // large results), and whether it is timed to choose that for calls of its size.
-        let (stores, sample) = match self.config.slot_stores {
-            SlotStores::Auto => st
-                .store_trial
-                .next(raws.iter().map(|r| r.count * r.dtype.size()).sum()),
-            SlotStores::Plain | SlotStores::Streaming => (Stores::NonTemporal, None),
-        };
+        let (stores, sample) = self.stores_for(&mut st.store_trial, raws);
         if st.scratch.len() < total {
             st.scratch = vec![0u64; total];
         }
@@ -848,12 +841,10 @@ impl Communicator {
         // (the communicator's buffer, which nothing else touches or resizes until the
         // call returns); the plan's regions stay inside them because the plan was made
         // from the same counts.
-        let started = sample.map(|_| Instant::now());
+        let started = sample.map(|s| (s, Instant::now()));
         let result = unsafe { Self::connect_and_execute(st, fused.as_ref(), ops, &call) };
-        if let (Ok(()), Some(sample), Some(started)) = (&result, sample, started)
-            && let Some(verdict) = st.store_trial.record(sample, started.elapsed())
-        {
-            self.log_stores(&verdict);
+        if let (Ok(()), Some((sample, started))) = (&result, started) {
+            self.record_stores(&mut st.store_trial, sample, started.elapsed());
         }
         if st.scratch.len() > KEPT_SCRATCH_WORDS {
             st.scratch = Vec::new();
@@ -907,9 +898,22 @@ impl Communicator {
         Ok(())
     }
 
-    /// Logs a trial's verdict on non-temporal stores when it changes the way.
-    fn log_stores(&self, v: &Verdict) {
-        if v.changed {
+    /// Whether a host call of `raws` writes past the caches what it may (slots towards
+    /// far peers, large results), and whether it is timed to choose that for calls of its
+    /// size.
+    fn stores_for(&self, trial: &mut StoreTrial, raws: &[RawCall]) -> (Stores, Option<Sample>) {
+        match self.config.slot_stores {
+            SlotStores::Auto => trial.next(raws.iter().map(|r| r.count * r.dtype.size()).sum()),
+            SlotStores::Plain | SlotStores::Streaming => (Stores::NonTemporal, None),
+        }
+    }
+
+    /// Records a timed call in the store trial, and logs the trial's verdict when it
+    /// changes the way.
+    fn record_stores(&self, trial: &mut StoreTrial, sample: Sample, elapsed: Duration) {
+        if let Some(v) = trial.record(sample, elapsed)
+            && v.changed
+        {
             let what = match v.bytes.0 < crate::tune::stores::LARGE {
                 true => "slots towards far peers",
                 false => "results",
