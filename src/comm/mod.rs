@@ -862,8 +862,8 @@ impl Communicator {
     }
 
     /// Runs a host call's plan: `fused`, or the current single-operation plan (the one
-    /// the call found or made). The first
-    /// call of a plan makes the FIFOs it needs beyond the rings'.
+    /// the call found or made). The first call of a plan makes the FIFOs it needs beyond
+    /// the rings'.
     ///
     /// # Safety
     /// As [`engine::execute`], for the plan and `ops`.

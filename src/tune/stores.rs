@@ -93,6 +93,19 @@ fn group_start(group: usize) -> usize {
     SMALLEST << group
 }
 
+/// Whether calls of group `group` are tried in pairs (below [`LARGE`]) or call by call.
+fn paired(group: usize) -> bool {
+    group_start(group) < LARGE
+}
+
+/// Timed calls of each way per trial of group `group`.
+fn samples_of(group: usize) -> usize {
+    match paired(group) {
+        true => PAIRED_SAMPLES,
+        false => SINGLE_SAMPLES,
+    }
+}
+
 /// A timed call of a trial, to report with [`StoreTrial::record`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
@@ -159,12 +172,9 @@ impl StoreTrial {
         let g = &mut self.groups[group];
         let position = g.position;
         g.position = (position + 1) % CYCLE;
-        let paired = group_start(group) < LARGE;
-        let (trial_calls, per_way) = match paired {
-            true => (PAIRED_TRIAL_CALLS, 2),
-            false => (SINGLE_TRIAL_CALLS, 1),
-        };
-        if position >= trial_calls {
+        let paired = paired(group);
+        let per_way = if paired { 2 } else { 1 };
+        if position >= 2 * samples_of(group) as u32 * per_way {
             return (g.chosen, None);
         }
         let turn = (position / per_way) as usize;
@@ -191,10 +201,7 @@ impl StoreTrial {
     /// way with the lower median and returns the verdict.
     pub fn record(&mut self, sample: Sample, elapsed: Duration) -> Option<Verdict> {
         let start = group_start(sample.group);
-        let samples = match start < LARGE {
-            true => PAIRED_SAMPLES,
-            false => SINGLE_SAMPLES,
-        };
+        let samples = samples_of(sample.group);
         let g = &mut self.groups[sample.group];
         g.times[sample.way][sample.index] = elapsed;
         if sample.way != 1 || sample.index != samples - 1 {
