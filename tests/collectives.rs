@@ -287,6 +287,10 @@ fn tree_all_reduce_broadcast_and_reduce_on_every_rank_count() {
     }
 }
 
+/// Counts large enough that results of 8 MiB and more go past the caches: as the cost
+/// model plans them (single copy between threads), and through FIFO slots written past
+/// the caches too (as towards a far peer), where one reduction streams to both the
+/// output and the slot.
 #[test]
 fn sixteen_mebi_elements_and_more() {
     let big = 16 << 20;
@@ -326,9 +330,21 @@ fn sixteen_mebi_elements_and_more() {
             big,
             true,
         ),
+        (
+            Collective::AllReduce,
+            DataType::Float32,
+            ReduceOp::Avg,
+            big / 2 + 3,
+            false,
+        ),
     ];
-    let wrong = run_grid(3, config(2), &calls);
-    assert!(wrong.is_empty(), "{wrong:?}");
+    let mut streaming = config(2);
+    streaming.protocols = vec![Protocol::Simple];
+    streaming.slot_stores = SlotStores::Streaming;
+    for config in [config(2), streaming] {
+        let wrong = run_grid(3, config, &calls);
+        assert!(wrong.is_empty(), "{wrong:?}");
+    }
 }
 
 /// `len` elements of `v` starting `distance` bytes past a page boundary.

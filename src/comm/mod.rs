@@ -184,16 +184,13 @@ impl RawCall {
     /// them ([`OpBuffers::streaming`]: an output of at least [`engine::STREAMING_FROM`]
     /// bytes that does not overlap the input; in place, the input's lines are already
     /// cached when the result replaces them, and a streaming store would only evict
-    /// them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming), and
-    /// whether its buffers are smaller than that (then [`OpBuffers::may_stream_slots`]).
-    fn cache_use(&self, rank: usize, nranks: usize) -> (bool, bool) {
+    /// them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming).
+    fn streams_results(&self, rank: usize, nranks: usize) -> bool {
         let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
         let elem = self.dtype.size();
         let (i0, o0) = (self.input as usize, self.output as usize);
         let apart = i0 + ins * elem <= o0 || o0 + outs * elem <= i0;
-        let streaming = outs * elem >= engine::STREAMING_FROM && apart;
-        let fits_cache = ins.max(outs) * elem < engine::STREAMING_FROM;
-        (streaming, fits_cache)
+        outs * elem >= engine::STREAMING_FROM && apart
     }
 }
 
@@ -916,7 +913,7 @@ impl Communicator {
         {
             let what = match v.bytes.0 < crate::tune::stores::LARGE {
                 true => "slots towards far peers",
-                false => "results",
+                false => "results and slots towards far peers",
             };
             let upto = v.bytes.1.map_or("".into(), |b| format!("–{} KiB", b >> 10));
             tracing::debug!(
@@ -947,7 +944,7 @@ impl Communicator {
             ReduceOp::PreMulSum(_) => ReduceOp::Sum,
             other => other,
         };
-        let (streaming, fits_cache) = raw.cache_use(self.rank, self.nranks);
+        let streaming = raw.streams_results(self.rank, self.nranks);
         Ok(OpBuffers {
             input: raw.input,
             output: raw.output,
@@ -957,7 +954,7 @@ impl Communicator {
             scratch,
             protocol: choice.protocol,
             streaming: streaming && stores == Stores::NonTemporal,
-            may_stream_slots: fits_cache && stores == Stores::NonTemporal,
+            may_stream_slots: stores == Stores::NonTemporal,
         })
     }
 

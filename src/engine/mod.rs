@@ -65,11 +65,11 @@ pub struct OpBuffers {
     /// non-temporal stores ([`crate::tune::stores`]).
     pub streaming: bool,
     /// Whether slots towards a far peer may be written past the caches
-    /// ([`Connections::streams_slots_to`]): the call's buffers are smaller than
-    /// [`STREAMING_FROM`], and the trial of its size chose non-temporal stores
-    /// ([`crate::tune::stores`]). A larger call is bound by memory bandwidth, and a
-    /// slot sent through memory adds two passes over it (2 ranks, far placement: 8–128
-    /// MiB at 7.3 GB/s with plain slot stores, 3.2 with non-temporal ones).
+    /// ([`Connections::streams_slots_to`]): the trial of the call's size chose
+    /// non-temporal stores ([`crate::tune::stores`]), at every size. For large calls
+    /// no fixed answer held: far, with plain slot stores, 8–128 MiB ran at 7.3 GB/s
+    /// against 3.2 with non-temporal ones on one host (2 ranks, 2026-11-25), and at
+    /// 1.8–2.1 against 5.8–9.9 on another (2026-11-28, afternoon).
     pub may_stream_slots: bool,
 }
 
@@ -731,19 +731,22 @@ unsafe fn move_slice(
             Step::Recv { dst, .. } => store(addr(ops, &dst, skip), x, &dst),
             Step::CopySend { src, dst, .. } => {
                 let (s, d) = (addr(ops, &src, skip), addr(ops, &dst, skip));
-                if op.reducing && src.buf == Buf::Input && k.has_pre() {
+                let pre = op.reducing && src.buf == Buf::Input && k.has_pre();
+                if pre {
                     k.pre(o, s, n);
                 } else {
                     fill(s);
                 }
                 if s != d {
-                    store(d, o, &dst);
+                    // Without a pre-operation the slot holds `s`'s bytes, and `s` is
+                    // still cached where a slot written past the caches is not.
+                    store(d, if pre || !stream_slot { o } else { s }, &dst);
                 }
             }
             Step::RecvReduceSend { src, .. } => {
                 let kernel = operand_kernel(op, &src);
                 if stream_slot {
-                    kernel.reduce_streaming(o, x, addr(ops, &src, skip), n, false);
+                    kernel.reduce_streaming(&[o], x, addr(ops, &src, skip), n, false);
                 } else {
                     kernel.reduce(o, x, addr(ops, &src, skip), n);
                 }
@@ -767,14 +770,14 @@ unsafe fn move_slice(
                         s
                     };
                     if stream(&dst) {
-                        op.plain.reduce_streaming(d, s, x, n, post);
+                        op.plain.reduce_streaming(&[d], s, x, n, post);
                         return;
                     }
                     op.plain.reduce(d, s, x, n);
                 } else {
                     let kernel = operand_kernel(op, &src);
                     if stream(&dst) {
-                        kernel.reduce_streaming(d, x, s, n, post);
+                        kernel.reduce_streaming(&[d], x, s, n, post);
                         return;
                     }
                     kernel.reduce(d, x, s, n);
@@ -786,13 +789,16 @@ unsafe fn move_slice(
             Step::RecvReduceCopySend { src, dst, .. } => {
                 let d = addr(ops, &dst, skip);
                 let kernel = operand_kernel(op, &src);
-                if stream(&dst) && !o.is_null() {
+                if stream(&dst) && stream_slot && !o.is_null() {
+                    // Both past the caches, from one reduction.
+                    kernel.reduce_streaming(&[d, o], x, addr(ops, &src, skip), n, true);
+                } else if stream(&dst) && !o.is_null() {
                     // Reduce into the outgoing slot (cached), then stream it out.
                     kernel.reduce(o, x, addr(ops, &src, skip), n);
                     k.post(o, n);
                     stream_copy(d, o, bytes);
                 } else if stream(&dst) {
-                    kernel.reduce_streaming(d, x, addr(ops, &src, skip), n, true);
+                    kernel.reduce_streaming(&[d], x, addr(ops, &src, skip), n, true);
                 } else {
                     kernel.reduce(d, x, addr(ops, &src, skip), n);
                     k.post(d, n);

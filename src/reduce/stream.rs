@@ -59,13 +59,15 @@ pub unsafe fn stream_copy(dst: *mut u8, src: *const u8, bytes: usize) {
 
 impl Kernel {
     /// [`reduce`](Kernel::reduce), then [`post`](Kernel::post) when `post`, with the
-    /// result streamed to `dst` past the caches (see the module documentation).
+    /// result streamed past the caches to every one of `dsts` (see the module
+    /// documentation): a result bound for both an output and a far peer's slot is
+    /// computed once.
     ///
     /// # Safety
-    /// As [`Kernel::reduce`].
+    /// As [`Kernel::reduce`], for each of `dsts`; no two of `dsts` overlap.
     pub unsafe fn reduce_streaming(
         &self,
-        dst: *mut u8,
+        dsts: &[*mut u8],
         a: *const u8,
         b: *const u8,
         count: usize,
@@ -79,16 +81,18 @@ impl Kernel {
         while done < count {
             let n = per_tile.min(count - done);
             let at = done * elem;
-            // SAFETY (block): the tile holds `n` elements; `a`, `b` and `dst` hold
-            // `count` (the caller's contract), and the tile overlaps none of them, so
-            // `dst` may equal `a` or `b`: each piece of them is read before it is
-            // written.
+            // SAFETY (block): the tile holds `n` elements; `a`, `b` and each of `dsts`
+            // hold `count` (the caller's contract), and the tile overlaps none of
+            // them, so a destination may equal `a` or `b`: each piece of them is read
+            // before it is written.
             unsafe {
                 self.reduce(t, a.add(at), b.add(at), n);
                 if post {
                     self.post(t, n);
                 }
-                stream_copy(dst.add(at), t, n * elem);
+                for &dst in dsts {
+                    stream_copy(dst.add(at), t, n * elem);
+                }
             }
             done += n;
         }
@@ -121,26 +125,29 @@ mod tests {
         let k = Kernel::new(DataType::Float32, ReduceOp::Avg, 3).unwrap();
         let a: Vec<f32> = (0..5000).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..5000).map(|i| 2.0 * i as f32).collect();
-        let mut out = vec![0f32; 5000];
-        // SAFETY: all hold 5000 f32.
+        let (mut out, mut copy) = (vec![0f32; 5000], vec![0f32; 5000]);
+        // SAFETY: all hold 5000 f32; `out` and `copy` are apart.
         unsafe {
             k.reduce_streaming(
-                out.as_mut_ptr().cast(),
+                &[out.as_mut_ptr().cast(), copy.as_mut_ptr().cast()],
                 a.as_ptr().cast(),
                 b.as_ptr().cast(),
                 5000,
                 true,
             )
         };
-        assert!(
-            out.iter()
-                .enumerate()
-                .all(|(i, &x)| x == (3 * i) as f32 / 3.0)
-        );
+        for result in [&out, &copy] {
+            assert!(
+                result
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == (3 * i) as f32 / 3.0)
+            );
+        }
         let mut inplace = a.clone();
         let p = inplace.as_mut_ptr().cast::<u8>();
         // SAFETY: `dst` equal to `a` is allowed.
-        unsafe { k.reduce_streaming(p, p, b.as_ptr().cast(), 5000, false) };
+        unsafe { k.reduce_streaming(&[p], p, b.as_ptr().cast(), 5000, false) };
         assert!(
             inplace
                 .iter()

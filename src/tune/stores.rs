@@ -1,8 +1,8 @@
 //! Whether a call's non-temporal stores pay, chosen by timing the calls themselves.
 //!
 //! The engine writes two things past the caches with non-temporal stores: the FIFO slots
-//! of calls below [`LARGE`] towards a peer whose cache measures far, and the results of
-//! calls of [`LARGE`] or more ([`crate::engine::STREAMING_FROM`]). No model predicts
+//! towards a peer whose cache measures far, and the results of calls of [`LARGE`] or
+//! more ([`crate::engine::STREAMING_FROM`]). No model predicts
 //! whether either pays. On this project's VM kind, with the two vCPUs far apart (a cache
 //! line 0.20–0.26 µs one way), 2 ranks:
 //!
@@ -12,7 +12,11 @@
 //!   8.4–10.3), within 10 % in the rounds after;
 //! - **results:** on that host of 2026-11-28, plain stores were faster far (8 MiB 15.3–
 //!   18.2 GB/s against 9.0–9.1, 128 MiB 9.3–9.9 against 7.9–8.4) and non-temporal ones
-//!   near (16–128 MiB 14.0–17.7 against 10.3–13.9).
+//!   near (16–128 MiB 14.0–17.7 against 10.3–13.9);
+//! - **large calls' slots:** on another host that afternoon, far, lines written with
+//!   plain stores crossed at 2.3 GB/s and streamed ones at 17–18, and 8–128 MiB ran at
+//!   1.8–2.1 GB/s with plain slot stores against 5.8–9.9 with non-temporal ones (and
+//!   streamed results).
 //!
 //! So each size of call tries both ways and keeps the faster; it tries again every
 //! [`CYCLE`] calls of that size, since the VM moves its vCPUs within minutes.
@@ -58,8 +62,8 @@ impl Stores {
 /// ([`crate::engine::FAR_SLOT_STREAMING_FROM`]).
 pub const SMALLEST: usize = 4 << 10;
 
-/// Calls of this many bytes or more stream their results, not their slots, and are tried
-/// call by call ([`crate::engine::STREAMING_FROM`]).
+/// Calls of this many bytes or more stream their results too (one verdict decides both),
+/// and are tried call by call ([`crate::engine::STREAMING_FROM`]).
 pub const LARGE: usize = 8 << 20;
 
 /// Calls of this many bytes or more share the last size group.
