@@ -327,7 +327,7 @@ fn a_step_without_its_fifo_fails_naming_it() {
 
 #[test]
 fn results_stay_right_while_trials_alternate_the_stores() {
-    use crate::tune::stores::{LARGE, PAIRED_TRIAL_CALLS, SINGLE_TRIAL_CALLS};
+    use crate::tune::stores::{LARGE, PAIRED_TRIAL_CALLS, PAIRED_TRIAL_FROM, SINGLE_TRIAL_CALLS};
     let cs = comms(2);
     // 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB (results streamed or
     // not): four size groups, each tried once, out of place.
@@ -335,7 +335,7 @@ fn results_stay_right_while_trials_alternate_the_stores() {
     let trials = on_all(&cs, |c| {
         for &count in &counts {
             let calls = match count * 4 < LARGE {
-                true => 2 * PAIRED_TRIAL_CALLS,
+                true => PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS,
                 false => 2 * SINGLE_TRIAL_CALLS,
             };
             for call in 0..calls as usize {

@@ -22,8 +22,9 @@
 //! [`CYCLE`] calls of that size, since the VM moves its vCPUs within minutes.
 //!
 //! Calls are grouped by size in powers of two from [`SMALLEST`] (smaller calls write
-//! slices too short to stream and results too small). Below [`LARGE`], the first
-//! [`PAIRED_TRIAL_CALLS`] calls of every cycle alternate the two ways in pairs, and the
+//! slices too short to stream and results too small). Below [`LARGE`],
+//! [`PAIRED_TRIAL_CALLS`] calls of every cycle, from call [`PAIRED_TRIAL_FROM`] on (once
+//! the receivers have had the hand-offs to measure far), alternate the two ways in pairs, and the
 //! second call of each pair is timed (the first one finds the caches as the other way
 //! left them); from [`LARGE`], where the buffers outgrow the caches and calls are few and
 //! long, the first [`SINGLE_TRIAL_CALLS`] alternate call by call and each is timed. The
@@ -80,6 +81,15 @@ pub const PAIRED_TRIAL_CALLS: u32 = (2 * 2 * PAIRED_SAMPLES) as u32;
 
 /// Calls a trial takes from [`LARGE`]: single calls, alternating the ways.
 pub const SINGLE_TRIAL_CALLS: u32 = (2 * SINGLE_SAMPLES) as u32;
+
+/// Where in its cycle a trial below [`LARGE`] begins. Non-temporal stores differ from
+/// plain ones only towards a peer that measures far, and a receiver says so after 16
+/// hand-offs (`transport::fifo`); a call of a few slices makes one or two, so a trial at
+/// a group's first calls compared two ways that were still the same. Measured, 4 ranks
+/// on 2 vCPUs far apart, 4 KiB: every rank's first trial chose plain stores (medians
+/// 6.3–25.1 µs plain, 7.3–26.6 non-temporal) before its peers measured far, and held it
+/// for the rest of the cycle. Larger calls make 16 hand-offs in their first call.
+pub const PAIRED_TRIAL_FROM: u32 = 48;
 
 /// Calls of one size group from the start of one trial to the next.
 pub const CYCLE: u32 = 1024;
@@ -177,10 +187,14 @@ impl StoreTrial {
         let position = g.position;
         g.position = (position + 1) % CYCLE;
         let paired = paired(group);
-        let per_way = if paired { 2 } else { 1 };
-        if position >= 2 * samples_of(group) as u32 * per_way {
+        let (per_way, from) = match paired {
+            true => (2, PAIRED_TRIAL_FROM),
+            false => (1, 0),
+        };
+        if position < from || position >= from + 2 * samples_of(group) as u32 * per_way {
             return (g.chosen, None);
         }
+        let position = position - from;
         let turn = (position / per_way) as usize;
         let way = turn % 2;
         let timed = !paired || position % 2 == 1;
@@ -269,12 +283,14 @@ mod tests {
             Stores::NonTemporal => us(14),
         };
         let (ways, verdicts) = run(&mut trial, 100 << 10, CYCLE, plain_faster);
-        // The trial alternates the ways in pairs, non-temporal first.
-        let tried = PAIRED_TRIAL_CALLS as usize;
-        for (i, w) in ways[..tried].iter().enumerate() {
+        // Non-temporal stores until the trial, which alternates the ways in pairs,
+        // non-temporal first.
+        let (from, tried) = (PAIRED_TRIAL_FROM as usize, PAIRED_TRIAL_CALLS as usize);
+        assert!(ways[..from].iter().all(|w| *w == Stores::NonTemporal));
+        for (i, w) in ways[from..from + tried].iter().enumerate() {
             assert_eq!(*w, Stores::WAYS[(i / 2) % 2], "call {i}");
         }
-        assert!(ways[tried..].iter().all(|w| *w == Stores::Plain));
+        assert!(ways[from + tried..].iter().all(|w| *w == Stores::Plain));
         assert_eq!(
             verdicts,
             [Verdict {
@@ -292,7 +308,12 @@ mod tests {
         assert_eq!(verdicts.len(), 1);
         assert_eq!(verdicts[0].stores, Stores::NonTemporal);
         assert!(verdicts[0].changed);
-        assert!(ways[tried..].iter().all(|w| *w == Stores::NonTemporal));
+        assert!(ways[..from].iter().all(|w| *w == Stores::Plain));
+        assert!(
+            ways[from + tried..]
+                .iter()
+                .all(|w| *w == Stores::NonTemporal)
+        );
         assert_eq!(trial.trials_done(100 << 10), 2);
     }
 
@@ -322,7 +343,7 @@ mod tests {
         let mut trial = StoreTrial::default();
         let mut n = 0u32;
         let mut verdict = None;
-        for _ in 0..PAIRED_TRIAL_CALLS {
+        for _ in 0..PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS {
             let (way, sample) = trial.next(4 << 10);
             if let Some(s) = sample {
                 n += 1;
@@ -356,7 +377,7 @@ mod tests {
             (_, Stores::NonTemporal) => us(3),
         };
         let mut chosen = Vec::new();
-        for _ in 0..PAIRED_TRIAL_CALLS {
+        for _ in 0..PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS {
             for bytes in [8192, 1 << 20] {
                 let (way, sample) = trial.next(bytes);
                 if let Some(s) = sample
@@ -372,9 +393,11 @@ mod tests {
         );
         // Just below `LARGE`, calls are still tried in pairs; a tie keeps non-temporal
         // stores.
-        let (ways, verdicts) = run(&mut trial, LARGE - 1, PAIRED_TRIAL_CALLS, |_| us(1));
+        let calls = PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS;
+        let (ways, verdicts) = run(&mut trial, LARGE - 1, calls, |_| us(1));
+        let from = PAIRED_TRIAL_FROM as usize;
         assert_eq!(
-            ways[..4],
+            ways[from..from + 4],
             [
                 Stores::NonTemporal,
                 Stores::NonTemporal,
