@@ -87,8 +87,9 @@ pub const SINGLE_TRIAL_CALLS: u32 = (2 * SINGLE_SAMPLES) as u32;
 /// hand-offs (`transport::fifo`); a call of a few slices makes one or two, so a trial at
 /// a group's first calls compared two ways that were still the same. Measured, 4 ranks
 /// on 2 vCPUs far apart, 4 KiB: every rank's first trial chose plain stores (medians
-/// 6.3–25.1 µs plain, 7.3–26.6 non-temporal) before its peers measured far, and held it
-/// for the rest of the cycle. Larger calls make 16 hand-offs in their first call.
+/// 6.3–25.1 µs plain, 7.3–26.6 non-temporal) while only some of the receivers had yet
+/// called their senders far, and held it for the rest of the cycle; the next trial chose
+/// non-temporal ones on every rank. Larger calls make 16 hand-offs in their first call.
 pub const PAIRED_TRIAL_FROM: u32 = 48;
 
 /// Calls of one size group from the start of one trial to the next.
