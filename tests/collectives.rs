@@ -112,14 +112,18 @@ fn two_ranks_two_channels_with_single_copy_forced() {
 
 /// Slots written with non-temporal stores (what a rank does towards a peer it measures
 /// far): the grid on 2 ranks (one-shot, two-shot and the ring's reductions into slots)
-/// and on 3 (the ring's copy-and-send and receive-reduce-send steps).
+/// and on 3 (the ring's copy-and-send and receive-reduce-send steps), Simple and LL (an
+/// LL message streamed behind the header that shares its first line; on one channel
+/// the small calls run in order, on two they are swept).
 #[test]
 fn streaming_slot_stores_on_two_and_three_ranks() {
-    for (ranks, channels) in [(2, 2), (3, 1)] {
-        let mut config = config(channels);
-        config.protocols = vec![Protocol::Simple];
-        config.slot_stores = SlotStores::Streaming;
-        check_ranks_with(ranks, config);
+    for protocol in [Protocol::Simple, Protocol::LL] {
+        for (ranks, channels) in [(2, 2), (3, 1)] {
+            let mut config = config(channels);
+            config.protocols = vec![protocol];
+            config.slot_stores = SlotStores::Streaming;
+            check_ranks_with(ranks, config);
+        }
     }
 }
 

@@ -329,9 +329,9 @@ fn a_step_without_its_fifo_fails_naming_it() {
 fn results_stay_right_while_trials_alternate_the_stores() {
     use crate::tune::stores::{LARGE, PAIRED_TRIAL_CALLS, PAIRED_TRIAL_FROM, SINGLE_TRIAL_CALLS};
     let cs = comms(2);
-    // 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB (results streamed or
-    // not): four size groups, each tried once, out of place.
-    let counts = [1024usize, 100_003, 1 << 19, LARGE / 4];
+    // 1.2 KB (an LL call), 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB
+    // (results streamed or not): five size groups, each tried once, out of place.
+    let counts = [300usize, 1024, 100_003, 1 << 19, LARGE / 4];
     let trials = on_all(&cs, |c| {
         for &count in &counts {
             let calls = match count * 4 < LARGE {
@@ -353,7 +353,7 @@ fn results_stay_right_while_trials_alternate_the_stores() {
         let st = c.lock();
         counts.map(|n| st.store_trial.trials_done(n * 4))
     });
-    assert_eq!(trials, [[1; 4]; 2], "each rank ran one trial of each size");
+    assert_eq!(trials, [[1; 5]; 2], "each rank ran one trial of each size");
 }
 
 #[test]

@@ -8,7 +8,8 @@
 
 use super::waiting::{Look, Waiting};
 use super::{
-    OpBuffers, local_step, move_slice, no_connection, op_of, step_blocked_on, wrong_slice,
+    FAR_SLOT_STREAMING_FROM, OpBuffers, local_step, move_slice, no_connection, op_of,
+    step_blocked_on, wrong_slice,
 };
 use crate::error::{CallInfo, Result};
 use crate::plan::{Lane, Plan, Step};
@@ -98,13 +99,24 @@ impl OneStep<'_> {
             conns.poll_for_room(channel, p);
         }
         let bytes = self.bytes();
+        // As the sweep does: a slice long enough goes past the caches towards a far peer,
+        // and the receiver times its hand-off for that verdict.
+        let long = bytes >= FAR_SLOT_STREAMING_FROM;
+        let far = long
+            && to.is_some_and(|p| {
+                conns.streams_slots_to(p, self.op.protocol, self.op.may_stream_slots)
+            });
         let (send, recv) = conns.ends(channel, self.op.protocol, to, from);
         if to.is_some() != send.is_some() || from.is_some() != recv.is_some() {
             return Err(no_connection(step, channel));
         }
         let (mut send, mut recv) = (send, recv);
         let inbound = match recv.as_deref_mut() {
-            Some(r) => match r.try_peek() {
+            Some(r) => match if long {
+                r.try_peek_judging()
+            } else {
+                r.try_peek()
+            } {
                 Some((p, got)) if got == bytes => Some(p),
                 Some((_, got)) => return Err(wrong_slice(step, bytes, got)),
                 None => return Ok(false),
@@ -121,7 +133,7 @@ impl OneStep<'_> {
         let slots = SliceSlots {
             inbound,
             outbound,
-            far: false,
+            far,
         };
         // SAFETY: the slots are this side's between peek/reserve and release/commit and
         // hold `bytes` (one slice); regions are in bounds by contract.

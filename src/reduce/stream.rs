@@ -25,8 +25,13 @@ const TILE_BYTES: usize = 8 * 1024;
 #[repr(C, align(64))]
 struct Tile([u8; TILE_BYTES]);
 
-/// Copies `bytes` bytes from `src` to `dst` with streaming stores (the unaligned head
-/// and tail with plain ones), then fences.
+/// Bytes of a cache line, the unit that streaming stores fill whole.
+const LINE: usize = 64;
+
+/// Copies `bytes` bytes from `src` to `dst` with streaming stores, whole cache lines
+/// only (the partial lines at either end with plain ones: a write-combining buffer
+/// flushed half full costs a partial write, and an LL slot's header shares its first
+/// line with the message), then fences.
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `bytes` bytes, not overlapping.
@@ -34,17 +39,19 @@ pub unsafe fn stream_copy(dst: *mut u8, src: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        // Plain stores up to the first 16-byte boundary of `dst`.
-        let head = (dst.align_offset(16)).min(bytes);
+        // Plain stores up to the first line boundary of `dst`.
+        let head = dst.align_offset(LINE).min(bytes);
         // SAFETY (block): all within the caller's `bytes`; SSE2 is part of x86-64; the
-        // streamed addresses are 16-byte aligned (after `head`), the loads unaligned.
+        // streamed addresses are line-aligned (after `head`), the loads unaligned.
         unsafe {
             std::ptr::copy_nonoverlapping(src, dst, head);
             let mut i = head;
-            while i + 16 <= bytes {
-                let v = _mm_loadu_si128(src.add(i).cast::<__m128i>());
-                _mm_stream_si128(dst.add(i).cast::<__m128i>(), v);
-                i += 16;
+            while i + LINE <= bytes {
+                for part in (0..LINE).step_by(16) {
+                    let v = _mm_loadu_si128(src.add(i + part).cast::<__m128i>());
+                    _mm_stream_si128(dst.add(i + part).cast::<__m128i>(), v);
+                }
+                i += LINE;
             }
             std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), bytes - i);
             _mm_sfence();
@@ -107,9 +114,9 @@ mod tests {
     #[test]
     fn streamed_copies_and_reductions_equal_plain_ones_at_every_alignment() {
         let src: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + 3) as u8).collect();
-        for offset in [0usize, 1, 3, 8, 15] {
-            for bytes in [0usize, 1, 15, 16, 17, 4096, 20_000] {
-                let mut dst = vec![0u8; bytes + 32];
+        for offset in [0usize, 1, 3, 8, 15, 56, 63] {
+            for bytes in [0usize, 1, 15, 16, 17, 63, 64, 65, 127, 4096, 20_000] {
+                let mut dst = vec![0u8; bytes + 64];
                 // SAFETY: both hold `bytes` from their offsets.
                 unsafe { stream_copy(dst.as_mut_ptr().add(offset), src.as_ptr(), bytes) };
                 assert_eq!(

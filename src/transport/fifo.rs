@@ -280,8 +280,8 @@ fn rotation(geometry: Geometry, counter: u32, len: usize) -> usize {
     (use_of_slot % positions) * span
 }
 
-/// How long a receiver's look at `head` took when it found a new slot: the time the
-/// line took to come from the sender's cache. A peer whose lines come from a far cache
+/// How long a receiver's look at `head` (or at an LL slot's header) took when it found
+/// a new slot: the time the line took to come from the sender's cache. A peer whose lines come from a far cache
 /// (another CCD or socket; on this project's VM, whenever the hypervisor places the two
 /// vCPUs apart) takes about 0.2 µs where a near one takes 0.05, and then data written
 /// into its slots with plain stores also crawls over (2 ranks, 32 KiB: 1.6 GB/s against
@@ -333,27 +333,31 @@ impl HandoffClock {
     }
 }
 
-/// Loads `word` and counts the time-stamp counter cycles the load took (0 where there
-/// is no such counter).
-fn timed_load(word: &AtomicU32) -> (u32, u64) {
+/// Runs `load` and counts the time-stamp counter cycles it took (0 where there is no
+/// such counter).
+fn timed<T>(load: impl FnOnce() -> T) -> (T, u64) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_lfence, _rdtsc};
         // SAFETY: `lfence` and `rdtsc` exist on every x86-64 CPU and touch no memory;
         // the fences keep the load between the two readings of the counter.
-        unsafe {
+        let start = unsafe {
             _mm_lfence();
             let start = _rdtsc();
             _mm_lfence();
-            let v = word.load(Ordering::Acquire);
+            start
+        };
+        let v = load();
+        // SAFETY: as above.
+        let end = unsafe {
             _mm_lfence();
-            let end = _rdtsc();
-            (v, end.saturating_sub(start))
-        }
+            _rdtsc()
+        };
+        (v, end.saturating_sub(start))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        (word.load(Ordering::Acquire), 0)
+        (load(), 0)
     }
 }
 
@@ -379,7 +383,7 @@ pub struct RecvEnd {
     head_seen: u32,
     /// Short messages rotate through their slot (see the module documentation).
     rotating: bool,
-    /// How far the sender's cache is (Simple FIFOs).
+    /// How far the sender's cache is ([`SendEnd::receiver_finds_far`]).
     handoffs: HandoffClock,
 }
 
@@ -422,8 +426,10 @@ impl SendEnd {
     }
 
     /// Whether the receiver finds this end's slots coming from a far cache (see
-    /// `HandoffClock`): most of the last 16 hand-offs through `head` took more than 0.1
-    /// µs to reach it. Simple FIFOs; the receiver publishes its verdict in the FIFO.
+    /// `HandoffClock`): most of the last 16 hand-offs it timed took more than 0.1 µs to
+    /// reach it (every hand-off of a Simple FIFO, through `head`; an LL FIFO's receiver
+    /// times the headers of long messages only, [`RecvEnd::try_peek_judging`]). The
+    /// receiver publishes its verdict in the FIFO.
     pub fn receiver_finds_far(&self) -> bool {
         self.shared.sender_far().load(Ordering::Relaxed) != 0
     }
@@ -551,7 +557,7 @@ impl RecvEnd {
             return self.ll_peek(self.tail);
         }
         if self.tail == self.head_seen {
-            let (head, cycles) = timed_load(self.shared.head());
+            let (head, cycles) = timed(|| self.shared.head().load(Ordering::Acquire));
             if head == self.head_seen {
                 return None;
             }
@@ -563,6 +569,22 @@ impl RecvEnd {
         let slot = self.shared.slot_of(self.tail);
         let len = self.shared.size_of(slot).load(Ordering::Relaxed) as usize;
         Some((self.message_ptr(self.tail, len), len))
+    }
+
+    /// Like [`RecvEnd::try_peek`]; on an LL FIFO, the look that finds the message is
+    /// also timed for the verdict on the sender's cache ([`SendEnd::receiver_finds_far`]),
+    /// which a Simple FIFO keeps at every look. For messages long enough that the sender
+    /// might stream them: timing every look costs a message of a few lines more than it
+    /// could save.
+    pub fn try_peek_judging(&mut self) -> Option<(*const u8, usize)> {
+        if self.shared.geometry.protocol != Protocol::LL {
+            return self.try_peek();
+        }
+        let (found, cycles) = timed(|| self.ll_peek(self.tail));
+        if found.is_some() {
+            self.judge_handoff(cycles);
+        }
+        found
     }
 
     /// Like [`RecvEnd::try_peek`] for the slot `ahead` places after the oldest, so
@@ -885,6 +907,40 @@ mod tests {
             rx.judge_handoff(HandoffClock::FAR_CYCLES);
         }
         assert!(!rx.handoffs.far && !tx.receiver_finds_far());
+    }
+
+    /// An LL receiver times the look that finds a message only when asked to (long
+    /// messages), and then once per message, not per look; a Simple receiver times
+    /// every hand-off.
+    #[test]
+    fn ll_hand_offs_are_timed_only_for_long_messages() {
+        let (mut tx, mut rx) = pair(Geometry::ll(4, 1024), "ll-judging");
+        let send = |tx: &mut SendEnd, len: usize| {
+            tx.try_reserve(len).unwrap();
+            tx.commit(len);
+        };
+        send(&mut tx, 8);
+        assert!(rx.try_peek().is_some());
+        rx.release();
+        assert_eq!(rx.handoffs.timed, 0, "a short message's look is not timed");
+        // Looks that find nothing are not hand-offs.
+        assert!(rx.try_peek_judging().is_none());
+        assert_eq!(rx.handoffs.timed, 0);
+        send(&mut tx, 1024);
+        assert_eq!(rx.try_peek_judging().map(|(_, len)| len), Some(1024));
+        rx.release();
+        assert_eq!(rx.handoffs.timed, 1);
+
+        let simple = Geometry {
+            slots: 4,
+            slot_bytes: 64,
+            protocol: Protocol::Simple,
+        };
+        let (mut tx, mut rx) = pair(simple, "simple-judging");
+        send(&mut tx, 8);
+        assert!(rx.try_peek().is_some());
+        rx.release();
+        assert_eq!(rx.handoffs.timed, 1);
     }
 
     #[test]

@@ -652,13 +652,14 @@ impl Connections {
         (send, recv)
     }
 
-    /// Whether a call's slots towards `peer` should be written with non-temporal
-    /// stores: it is on this host, and `FERROCCL_SLOT_STORES=streaming`, or (`auto`)
-    /// the call `may_stream` (its buffers fit the caches and the trial of its size chose
-    /// non-temporal stores) and `peer` finds this rank's Simple slots coming from a far
-    /// cache ([`fifo::SendEnd::receiver_finds_far`]: each receiver judges its own
-    /// sender, so the next rank of a ring judges this one).
-    pub fn streams_slots_to(&self, peer: usize, may_stream: bool) -> bool {
+    /// Whether a call's slots of `protocol` towards `peer` should be written with
+    /// non-temporal stores: it is on this host, and `FERROCCL_SLOT_STORES=streaming`, or
+    /// (`auto`) the call `may_stream` (the trial of its size chose non-temporal stores)
+    /// and `peer` finds this rank's slots of that protocol coming from a far cache
+    /// ([`fifo::SendEnd::receiver_finds_far`]: each receiver judges its own sender, so
+    /// the next rank of a ring judges this one; the FIFOs of the call's own protocol, so
+    /// that the verdict is as recent as the calls that use it).
+    pub fn streams_slots_to(&self, peer: usize, protocol: Protocol, may_stream: bool) -> bool {
         let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
         match self.slot_stores {
             SlotStores::Plain => false,
@@ -667,8 +668,8 @@ impl Connections {
             }
             SlotStores::Auto if !may_stream => false,
             SlotStores::Auto => {
-                let simple = Protocol::Simple.index();
-                self.sends[simple].iter().enumerate().any(|(ci, per_peer)| {
+                let f = protocol.fifo().index();
+                self.sends[f].iter().enumerate().any(|(ci, per_peer)| {
                     on_host(ci)
                         && per_peer
                             .get(peer)

@@ -59,9 +59,9 @@ impl Stores {
     }
 }
 
-/// Smallest call (bytes) that is tried: a slice must be 4 KiB to stream
+/// Smallest call (bytes) that is tried: a slice must be 1 KiB to stream
 /// ([`crate::engine::FAR_SLOT_STREAMING_FROM`]).
-pub const SMALLEST: usize = 4 << 10;
+pub const SMALLEST: usize = 1 << 10;
 
 /// Calls of this many bytes or more stream their results too (one verdict decides both),
 /// and are tried call by call ([`crate::engine::STREAMING_FROM`]).
