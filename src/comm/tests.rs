@@ -329,9 +329,9 @@ fn a_step_without_its_fifo_fails_naming_it() {
 fn results_stay_right_while_trials_alternate_the_stores() {
     use crate::tune::stores::{LARGE, PAIRED_TRIAL_CALLS, PAIRED_TRIAL_FROM, SINGLE_TRIAL_CALLS};
     let cs = comms(2);
-    // 1.2 KB (an LL call), 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB
+    // 2.4 KB (an LL call), 4 KiB (one slot), a prime count (400 KB), 2 MiB, and 8 MiB
     // (results streamed or not): five size groups, each tried once, out of place.
-    let counts = [300usize, 1024, 100_003, 1 << 19, LARGE / 4];
+    let counts = [600usize, 1024, 100_003, 1 << 19, LARGE / 4];
     let trials = on_all(&cs, |c| {
         for &count in &counts {
             let calls = match count * 4 < LARGE {

@@ -84,13 +84,15 @@ pub struct OpBuffers {
 pub const STREAMING_FROM: usize = 8 << 20;
 
 /// Slices of at least this many bytes bound for a far peer's slot
-/// ([`Connections::streams_slots_to`]) are written with non-temporal stores: below it, a
-/// slice is a few lines, which plain stores hand over sooner. Measured, two threads on
-/// the two vCPUs far apart, a message ping-ponged one way (2026-11-28): 512 B 0.29 µs
-/// plain against 0.51 non-temporal, 2 KiB 1.21 against 0.78, 8 KiB 3.33 against 1.68;
-/// near, 2 KiB 0.19 against 0.67. Between 1 and 4 KiB the trial of the call's size
-/// decides ([`crate::tune::stores`]).
-pub const FAR_SLOT_STREAMING_FROM: usize = 1024;
+/// ([`Connections::streams_slots_to`]) are written with non-temporal stores (when the
+/// trial of the call's size chose them, [`crate::tune::stores`]): below it, a slice is
+/// a few lines, which plain stores hand over sooner. Measured, two threads on the two
+/// vCPUs far apart, a message ping-ponged one way (2026-11-28): 512 B 0.29 µs plain
+/// against 0.51 non-temporal, 2 KiB 1.21 against 0.78, 8 KiB 3.33 against 1.68; near,
+/// 2 KiB 0.19 against 0.67. All-reduce, far: at 1 KiB plain stores were as fast or
+/// faster (2 ranks 0.64–0.69 µs against 0.86–0.89; 4 ranks 5.0–6.5 against 6.1–9.2), at
+/// 2 KiB non-temporal ones faster on 2 ranks (0.86–1.24 against 1.33–1.45).
+pub const FAR_SLOT_STREAMING_FROM: usize = 2048;
 
 #[derive(Clone, Copy, Default)]
 struct LaneState {

@@ -59,9 +59,9 @@ impl Stores {
     }
 }
 
-/// Smallest call (bytes) that is tried: a slice must be 1 KiB to stream
+/// Smallest call (bytes) that is tried: a slice must be 2 KiB to stream
 /// ([`crate::engine::FAR_SLOT_STREAMING_FROM`]).
-pub const SMALLEST: usize = 1 << 10;
+pub const SMALLEST: usize = 2 << 10;
 
 /// Calls of this many bytes or more stream their results too (one verdict decides both),
 /// and are tried call by call ([`crate::engine::STREAMING_FROM`]).
@@ -84,13 +84,15 @@ pub const SINGLE_TRIAL_CALLS: u32 = (2 * SINGLE_SAMPLES) as u32;
 
 /// Where in its cycle a trial below [`LARGE`] begins. Non-temporal stores differ from
 /// plain ones only towards a peer that measures far, and a receiver says so after 16
-/// hand-offs (`transport::fifo`); a call of a few slices makes one or two, so a trial at
-/// a group's first calls compared two ways that were still the same. Measured, 4 ranks
-/// on 2 vCPUs far apart, 4 KiB: every rank's first trial chose plain stores (medians
-/// 6.3–25.1 µs plain, 7.3–26.6 non-temporal) while only some of the receivers had yet
-/// called their senders far, and held it for the rest of the cycle; the next trial chose
-/// non-temporal ones on every rank. Larger calls make 16 hand-offs in their first call.
-pub const PAIRED_TRIAL_FROM: u32 = 48;
+/// timed hand-offs (`transport::fifo`: every one of a Simple FIFO, one in
+/// [`LL_TIMED_EVERY`](crate::transport::fifo::LL_TIMED_EVERY) of an LL one, so 64 LL messages); a call of a few slices makes one
+/// or two, so a trial at a group's first calls compared two ways that were still the
+/// same. Measured, 4 ranks on 2 vCPUs far apart, 4 KiB: every rank's first trial chose
+/// plain stores (medians 6.3–25.1 µs plain, 7.3–26.6 non-temporal) while only some of
+/// the receivers had yet called their senders far, and held it for the rest of the
+/// cycle; the next trial chose non-temporal ones on every rank. Larger calls make 16
+/// hand-offs in their first call.
+pub const PAIRED_TRIAL_FROM: u32 = 96;
 
 /// Calls of one size group from the start of one trial to the next.
 pub const CYCLE: u32 = 1024;
