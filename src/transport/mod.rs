@@ -59,7 +59,8 @@ pub enum SlotStores {
     Auto,
     /// Plain stores always.
     Plain,
-    /// Non-temporal stores always (slices of 4 KiB or more).
+    /// Non-temporal stores always (slices of
+    /// [`FAR_SLOT_STREAMING_FROM`](crate::engine::FAR_SLOT_STREAMING_FROM) or more).
     Streaming,
 }
 
