@@ -532,9 +532,7 @@ unsafe fn advance(
         if let Some(p) = to {
             conns.poll_for_room(channel, p);
         }
-        // Slots towards a peer whose cache is far are written past this rank's cache;
-        // LL receivers time the hand-offs of slices long enough to be streamed.
-        let long = per_slice * elem >= FAR_SLOT_STREAMING_FROM;
+        // Slots towards a peer whose cache is far are written past this rank's cache.
         let far = to.is_some_and(|p| {
             op.protocol != Protocol::SingleCopy
                 && conns.streams_slots_to(p, op.protocol, op.may_stream_slots)
@@ -552,6 +550,8 @@ unsafe fn advance(
         while st.done < len {
             let n = per_slice.min(len - st.done);
             let bytes = n * elem;
+            // LL receivers time the hand-offs of slices long enough to be streamed.
+            let long = bytes >= FAR_SLOT_STREAMING_FROM;
             let inbound = match recv.as_deref_mut() {
                 Some(r) => match if long {
                     r.try_peek_judging()
