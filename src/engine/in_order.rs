@@ -8,7 +8,7 @@
 
 use super::waiting::{Look, Waiting};
 use super::{
-    FAR_SLOT_STREAMING_FROM, OpBuffers, local_step, move_slice, no_connection, op_of,
+    FAR_SLOT_STREAMING_FROM, OpBuffers, local_step, move_slice, no_connection, op_of, peek_slice,
     step_blocked_on, wrong_slice,
 };
 use crate::error::{CallInfo, Result};
@@ -99,10 +99,9 @@ impl OneStep<'_> {
             conns.poll_for_room(channel, p);
         }
         let bytes = self.bytes();
-        // As the sweep does: a slice long enough goes past the caches towards a far peer,
-        // and the receiver times its hand-off for that verdict.
-        let long = bytes >= FAR_SLOT_STREAMING_FROM;
-        let far = long
+        // As the sweep does: a slice long enough goes past the caches towards a far peer
+        // (asked only then: a small call's look costs what it did).
+        let far = bytes >= FAR_SLOT_STREAMING_FROM
             && to.is_some_and(|p| {
                 conns.streams_slots_to(p, self.op.protocol, self.op.may_stream_slots)
             });
@@ -112,11 +111,7 @@ impl OneStep<'_> {
         }
         let (mut send, mut recv) = (send, recv);
         let inbound = match recv.as_deref_mut() {
-            Some(r) => match if long {
-                r.try_peek_judging()
-            } else {
-                r.try_peek()
-            } {
+            Some(r) => match peek_slice(r, bytes) {
                 Some((p, got)) if got == bytes => Some(p),
                 Some((_, got)) => return Err(wrong_slice(step, bytes, got)),
                 None => return Ok(false),

@@ -32,6 +32,7 @@ use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::reduce::copy::{copy, copy_maybe_overlapping};
 use crate::reduce::stream::stream_copy;
+use crate::transport::fifo::RecvEnd;
 use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, Protocol};
 use single_copy::PostedRegions;
@@ -93,6 +94,16 @@ pub const STREAMING_FROM: usize = 8 << 20;
 /// faster (2 ranks 0.64–0.69 µs against 0.86–0.89; 4 ranks 5.0–6.5 against 6.1–9.2), at
 /// 2 KiB non-temporal ones faster on 2 ranks (0.86–1.24 against 1.33–1.45).
 pub const FAR_SLOT_STREAMING_FROM: usize = 2048;
+
+/// The oldest slot of `r`, expected to hold a slice of `bytes`: one long enough to have
+/// been streamed is also timed for the verdict on the sender's cache
+/// ([`RecvEnd::try_peek_judging`]).
+fn peek_slice(r: &mut RecvEnd, bytes: usize) -> Option<(*const u8, usize)> {
+    match bytes >= FAR_SLOT_STREAMING_FROM {
+        true => r.try_peek_judging(),
+        false => r.try_peek(),
+    }
+}
 
 #[derive(Clone, Copy, Default)]
 struct LaneState {
@@ -550,14 +561,8 @@ unsafe fn advance(
         while st.done < len {
             let n = per_slice.min(len - st.done);
             let bytes = n * elem;
-            // LL receivers time the hand-offs of slices long enough to be streamed.
-            let long = bytes >= FAR_SLOT_STREAMING_FROM;
             let inbound = match recv.as_deref_mut() {
-                Some(r) => match if long {
-                    r.try_peek_judging()
-                } else {
-                    r.try_peek()
-                } {
+                Some(r) => match peek_slice(r, bytes) {
                     Some((p, got)) => {
                         if got != bytes {
                             return Err(wrong_slice(step, bytes, got));
