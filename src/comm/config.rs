@@ -18,7 +18,7 @@ use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 /// | --- | --- | --- |
 /// | `FERROCCL_TIMEOUT` | `timeout` (seconds) | 600 |
 /// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels`, and `device_channels` | 1; device calls: from the device ([`crate::cuda::tuning`]) |
-/// | `FERROCCL_SLOTS` | `slots` per FIFO | 8 |
+/// | `FERROCCL_SLOTS` | `slots` per FIFO, and `dedicated_slots` | 8; 16 between ranks of a host that each have a core |
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
@@ -46,6 +46,11 @@ pub struct CommConfig {
     pub device_channels: Option<usize>,
     /// Slots per FIFO.
     pub slots: usize,
+    /// Slots per Simple FIFO between ranks of one host where every rank there has a core
+    /// of its own (those FIFOs rotate short messages through their memory, and a walk
+    /// longer than a core's L2 cache finds the lines the reader has dropped; see
+    /// [`crate::transport::fifo`]). Ring steps stay `chunk_bytes` whatever it is.
+    pub dedicated_slots: usize,
     /// Bytes per slot.
     pub slot_bytes: usize,
     /// Bytes one step of a ring moves (at most half a FIFO, so rings cannot deadlock).
@@ -98,6 +103,7 @@ impl Default for CommConfig {
             channels: 1,
             device_channels: None,
             slots,
+            dedicated_slots: 16,
             slot_bytes,
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
@@ -142,6 +148,7 @@ impl CommConfig {
         }
         if let Some(v) = env_number(&["FERROCCL_SLOTS"])? {
             c.slots = v as usize;
+            c.dedicated_slots = v as usize;
         }
         if let Some(v) = env_number(&["FERROCCL_SLOT_SIZE"])? {
             c.slot_bytes = v as usize;
@@ -213,6 +220,14 @@ impl CommConfig {
         }
     }
 
+    /// The shape of the Simple FIFOs between ranks of one host that each have a core.
+    pub fn dedicated_geometry(&self) -> Geometry {
+        Geometry {
+            slots: self.dedicated_slots,
+            ..self.geometry()
+        }
+    }
+
     /// The shape of the LL FIFOs, if LL is allowed.
     pub fn ll_geometry(&self) -> Option<Geometry> {
         self.protocols
@@ -261,6 +276,7 @@ impl CommConfig {
                     .map_or_else(|| "auto".to_string(), |c| c.to_string()),
             ),
             ("FERROCCL_SLOTS", self.slots.to_string()),
+            ("dedicated_slots", self.dedicated_slots.to_string()),
             ("FERROCCL_SLOT_SIZE", self.slot_bytes.to_string()),
             ("FERROCCL_CHUNK_SIZE", self.chunk_bytes.to_string()),
             ("ll_slots", self.ll_slots.to_string()),
@@ -296,6 +312,7 @@ impl CommConfig {
     /// Checks that the settings make sense together.
     pub fn validate(&self) -> Result<()> {
         self.geometry().validate()?;
+        self.dedicated_geometry().validate()?;
         #[cfg(feature = "rdma")]
         self.rdma.validate()?;
         if let Some(ll) = self.ll_geometry() {
@@ -325,12 +342,13 @@ impl CommConfig {
                 return Err(Error::invalid(format!("{channels} channels: use 1 to 64")));
             }
         }
-        let max_chunk = half_fifo(self.slots, self.slot_bytes);
+        let slots = self.slots.min(self.dedicated_slots);
+        let max_chunk = half_fifo(slots, self.slot_bytes);
         if self.chunk_bytes < 8 || self.chunk_bytes > max_chunk {
             return Err(Error::invalid(format!(
                 "chunk of {} bytes: must be between 8 bytes and half a FIFO ({max_chunk} \
-                 bytes = {} slots of {} bytes / 2), or rings could deadlock",
-                self.chunk_bytes, self.slots, self.slot_bytes
+                 bytes = {slots} slots of {} bytes / 2), or rings could deadlock",
+                self.chunk_bytes, self.slot_bytes
             )));
         }
         if self.timeout.is_zero() {
@@ -495,6 +513,30 @@ mod tests {
             diff.as_deref(),
             Some("FERROCCL_PROTO: Simple,LL,SingleCopy vs Simple")
         );
+    }
+
+    #[test]
+    fn dedicated_fifos_are_deeper_and_leave_ring_steps_alone() {
+        let c = CommConfig::default();
+        assert_eq!((c.slots, c.dedicated_slots), (8, 16));
+        assert_eq!(c.dedicated_geometry().slots, 16);
+        assert_eq!(c.dedicated_geometry().slot_bytes, c.geometry().slot_bytes);
+        // Ring steps are half of the 8-slot FIFO, so every rank cuts a call alike
+        // whatever its host gave its FIFOs.
+        assert_eq!(c.chunk_bytes, 4 * c.slot_bytes);
+        let odd = CommConfig {
+            dedicated_slots: 12,
+            ..c.clone()
+        };
+        let err = odd.validate().unwrap_err().to_string();
+        assert!(err.contains("FIFO slots 12"), "{err}");
+        // A chunk must fit half of the shallower FIFO too.
+        let shallow = CommConfig {
+            dedicated_slots: 4,
+            ..c
+        };
+        let err = shallow.validate().unwrap_err().to_string();
+        assert!(err.contains("4 slots of 131072 bytes"), "{err}");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::bell::Closed;
 use super::routes::{Routes, fifo_segment_name};
 use super::segment::{Segment, SegmentKind};
 use super::shm::CreatedNames;
-use super::{Connections, Geometry, Protocol, TransportConfig, fifo};
+use super::{Connections, Geometry, Protocol, fifo};
 use crate::error::CallInfo;
 use crate::error::{Error, Result};
 use crate::store::Store;
@@ -51,11 +51,12 @@ pub(super) struct LazyFifos {
 }
 
 impl LazyFifos {
-    /// What this rank needs to make FIFOs to its local peers on first use.
+    /// What this rank needs to make FIFOs to its local peers on first use, in `formats`
+    /// (one per protocol, [`Protocol::index`]).
     pub(super) fn new(
         boot: &crate::bootstrap::Bootstrap,
         routes: &Routes,
-        config: &TransportConfig,
+        formats: [Option<Geometry>; 2],
         rotating: bool,
     ) -> Self {
         LazyFifos {
@@ -67,7 +68,7 @@ impl LazyFifos {
                     (!path.is_network()).then(|| path.segment_kind())
                 })
                 .collect(),
-            formats: [Some(config.geometry), config.ll],
+            formats,
             prefix: routes.prefix.clone(),
         }
     }
