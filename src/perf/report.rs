@@ -123,9 +123,11 @@ pub fn header(test: Test, args: &PerfArgs, comm: &Communicator) -> String {
     };
     let _ = writeln!(
         s,
-        "# channels {channels}, FIFO {} x {} KiB, chunk {} KiB, timeout {:?}",
+        "# channels {channels}, FIFO {} x {} KiB ({} slots between ranks of a host that \
+         each have a core), chunk {} KiB, timeout {:?}",
         c.slots,
         c.slot_bytes >> 10,
+        c.dedicated_slots,
         c.chunk_bytes >> 10,
         c.timeout
     );
