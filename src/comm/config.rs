@@ -20,7 +20,7 @@ use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 /// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels`, and `device_channels` | 1; device calls: from the device ([`crate::cuda::tuning`]) |
 /// | `FERROCCL_SLOTS` | `slots` per FIFO, and `dedicated_slots` | 8; 16 between ranks of a host that each have a core |
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
-/// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half the FIFO |
+/// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half of a FIFO of `slots` |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_SLOT_STORES` (`auto`, `plain`, `streaming`) | `slot_stores` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, `twoshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |

@@ -383,7 +383,7 @@ impl Communicator {
             &boot,
             &TransportConfig {
                 geometry: config.geometry(),
-                dedicated_slots: config.dedicated_slots,
+                dedicated: config.dedicated_geometry(),
                 ll: config.ll_geometry(),
                 single_copy: config.protocols.contains(&Protocol::SingleCopy),
                 slot_stores: config.slot_stores,
