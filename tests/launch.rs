@@ -10,12 +10,34 @@ use std::time::{Duration, Instant};
 const FERRORUN: &str = env!("CARGO_BIN_EXE_ferrorun");
 const RENDEZVOUS: &str = env!("CARGO_BIN_EXE_ferroccl-rendezvous");
 
+/// A port free now for a store to listen on, chosen below Linux's ephemeral range
+/// (32768-60999), as `python/tests/harness.py` chooses it: a port the kernel handed out
+/// (`bind(0)`) can be handed out again, as the local end of another test's outgoing
+/// connection, before the rank that hosts the store binds it ("Address already in use",
+/// seen in CI). Tests of this process take consecutive ports from a start that differs
+/// between processes, so two of them never race for one port.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU16, Ordering};
+    const FIRST: u16 = 20000;
+    const PORTS: u16 = 12000;
+    static START: OnceLock<u16> = OnceLock::new();
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let start = *START.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        ((std::process::id() ^ nanos) % u32::from(PORTS)) as u16
+    });
+    for _ in 0..100 {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = FIRST + (start + offset % PORTS) % PORTS;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + PORTS);
 }
 
 /// Runs a command to completion, failing the test if it takes longer than `limit`.
