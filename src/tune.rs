@@ -331,6 +331,16 @@ impl CostModel {
         levels * self.net.alpha + chain * self.local(protocol).alpha
     }
 
+    /// Whether recursive doubling is a candidate for the automatic choice: on one host
+    /// with at most two ranks to a CPU. With more, a round's pair seldom runs at once:
+    /// 8 ranks on 2 cores it was never the fastest (2026-11-28, 4–32 KiB: 17–47 µs
+    /// against the two-shot's 18–34, 256 B–2 KiB: 13–16 against the one-shot's 9–13),
+    /// and the model's direct rounds, fitted at up to two ranks to a CPU, would offer it
+    /// there. Across hosts it has not been measured.
+    pub fn doubling_pays(shape: Shape) -> bool {
+        shape.hosts <= 1 && shape.crowding.queue() <= 2.0
+    }
+
     /// Predicted seconds for an all-reduce of `bytes` with `choice`.
     pub fn all_reduce(&self, choice: Choice, bytes: usize, shape: Shape) -> f64 {
         let n = shape.ranks.max(1) as f64;
@@ -357,6 +367,21 @@ impl CostModel {
                 2.0 * round * pace.alpha
                     + 2.0 * n1 / n * s / pace.beta
                     + n1 / n * s / self.local.beta
+            }
+            Algorithm::Doubling => {
+                // log₂ p rounds on one peer each, and two more hand-offs where ranks
+                // beyond the power of two hand their contributions over and get the
+                // result back. A hand-off waits on one peer, as a chain's step does,
+                // and the exchange as a whole ¾ of one more, fitted so that the model's
+                // crossovers fall where the measured ones do (4 ranks on 2 cores, see
+                // the tests). Where it is a candidate: [`CostModel::doubling_pays`].
+                let p = 1usize << shape.ranks.ilog2();
+                let rounds = p.ilog2() as f64;
+                let hand_overs = if p < shape.ranks { 2.0 } else { 0.0 };
+                let hand_offs = rounds + hand_overs;
+                (hand_offs * step + 0.75) * pace.alpha
+                    + hand_offs * s / pace.beta
+                    + (rounds + hand_overs / 2.0) * s / self.local.beta
             }
             Algorithm::Ring => {
                 2.0 * n1 * step * pace.alpha
@@ -390,7 +415,7 @@ impl CostModel {
         let pace = self.pace(shape, choice.protocol);
         match choice.algorithm {
             Algorithm::OneShot => pace.alpha + n1 * s / pace.beta,
-            Algorithm::TwoShot => f64::INFINITY,
+            Algorithm::TwoShot | Algorithm::Doubling => f64::INFINITY,
             Algorithm::Ring => n1 * pace.alpha + s / pace.beta,
             Algorithm::Tree => self.tree_pass(shape, choice.protocol) + 2.0 * s / pace.beta,
         }
@@ -435,8 +460,9 @@ impl CostModel {
 
     /// The fastest of `algorithms` × `protocols` for `collective` on `bytes` per rank;
     /// ties go to the earlier algorithm, then the earlier protocol. Across hosts LL is a
-    /// candidate only when it is the only protocol allowed. When none of `algorithms`
-    /// applies to the collective, the ring with the first protocol.
+    /// candidate only when it is the only protocol allowed, and recursive doubling only
+    /// where it [pays](Self::doubling_pays) or is the only algorithm allowed. When none
+    /// of `algorithms` applies to the collective, the ring with the first protocol.
     pub fn best(
         &self,
         collective: Collective,
@@ -452,7 +478,10 @@ impl CostModel {
             protocols
         };
         let mut best: Option<(Choice, f64)> = None;
-        for &algorithm in algorithms {
+        let offered = |a: &&Algorithm| {
+            **a != Algorithm::Doubling || algorithms.len() == 1 || Self::doubling_pays(shape)
+        };
+        for &algorithm in algorithms.iter().filter(offered) {
             for &protocol in protocols {
                 let c = Choice {
                     algorithm,
@@ -624,6 +653,78 @@ mod tests {
         }
         assert_eq!(Crowding { ranks: 8, cpus: 2 }.queue(), 4.0);
         assert_eq!(Crowding { ranks: 2, cpus: 2 }.queue(), 1.0);
+    }
+
+    /// Recursive doubling waits on one peer per round: with two ranks to each CPU it
+    /// takes the sizes between the one-shot's and the two-shot's. Measured on 2 cores
+    /// (2026-11-28, 4 ranks, µs, medians of 7 to 18 runs from five interleaved series
+    /// in both placements), one-shot / doubling / two-shot: 1 KiB 5.0 / 6.7 / 8.4, 2 KiB
+    /// 5.7 / 7.2 / 8.7, 4 KiB 7.9 / 8.0 / 10.9, 8 KiB 10.5 / 9.8 / 12.5, 16 KiB 14.8 /
+    /// 13.0 / 14.1, 32 KiB 23.4 / 19.6 / 18.5, 64 KiB 41.4 / 34.5 / 26.4. At 4 KiB the
+    /// two are even, and the model may give it either. Elsewhere doubling loses: 8
+    /// ranks on 2 cores (the two-shot from 4 KiB, the one-shot below), 3 ranks (its two
+    /// extra hand-offs), and wherever ranks have a CPU each (the two-shot has its
+    /// hand-offs and fewer bytes).
+    #[test]
+    fn recursive_doubling_for_the_middle_sizes_of_two_ranks_to_a_cpu() {
+        let m = CostModel::default();
+        let on_cpus = |ranks, cpus| Shape {
+            crowding: Crowding { ranks, cpus },
+            ..shape(ranks, 1)
+        };
+        let protocols = [Protocol::Simple, Protocol::LL];
+        let pick = |shape, bytes| {
+            m.best(
+                Collective::AllReduce,
+                bytes,
+                shape,
+                &Algorithm::ALL,
+                &protocols,
+            )
+            .algorithm
+        };
+        let four = on_cpus(4, 2);
+        for (bytes, algorithm) in [
+            (256, Algorithm::OneShot),
+            (2 << 10, Algorithm::OneShot),
+            (8 << 10, Algorithm::Doubling),
+            (16 << 10, Algorithm::Doubling),
+            (32 << 10, Algorithm::TwoShot),
+        ] {
+            assert_eq!(pick(four, bytes), algorithm, "4 ranks, {bytes} B");
+        }
+        for shape in [
+            on_cpus(8, 2),
+            on_cpus(3, 2),
+            on_cpus(4, 4),
+            on_cpus(2, 2),
+            shape(4, 4),
+        ] {
+            for bytes in (3..24).map(|k| 1usize << k) {
+                assert_ne!(
+                    pick(shape, bytes),
+                    Algorithm::Doubling,
+                    "{shape:?}, {bytes} B"
+                );
+            }
+        }
+        // Not a broadcast, and not through shared buffers.
+        let doubling = Choice {
+            algorithm: Algorithm::Doubling,
+            protocol: Protocol::Simple,
+        };
+        assert!(
+            m.time(Collective::Broadcast { root: 0 }, doubling, 8 << 10, four)
+                .is_infinite()
+        );
+        let single = Choice {
+            protocol: Protocol::SingleCopy,
+            ..doubling
+        };
+        assert!(
+            m.time(Collective::AllReduce, single, 8 << 10, four)
+                .is_infinite()
+        );
     }
 
     fn is_tree(c: Choice) -> bool {

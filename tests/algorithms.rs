@@ -82,9 +82,11 @@ fn bytes_of<T: Element>(v: &[T]) -> Vec<u8> {
         .to_vec()
 }
 
+/// The latency algorithms (one-shot, two-shot, recursive doubling) on 1 to 8 ranks: the
+/// powers of two and the counts between them, where doubling hands over first.
 #[test]
 fn direct_algorithms_match_the_reference_on_every_rank_count() {
-    for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
+    for algorithm in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Doubling] {
         for n in 1..=8 {
             let comms =
                 Communicator::init_all_with(n, config(&[algorithm], 1 + n % 3, 64 << 10)).unwrap();

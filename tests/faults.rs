@@ -57,6 +57,7 @@ enum Algo {
     Tree,
     OneShot,
     TwoShot,
+    Doubling,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +82,13 @@ fn main() -> ExitCode {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var("FERROCCL_SOCKET_IFNAME", "=lo") };
     let mut tests: Vec<(String, TestFn)> = Vec::new();
-    for algo in [Algo::Ring, Algo::Tree, Algo::OneShot, Algo::TwoShot] {
+    for algo in [
+        Algo::Ring,
+        Algo::Tree,
+        Algo::OneShot,
+        Algo::TwoShot,
+        Algo::Doubling,
+    ] {
         for step in steps_of(algo) {
             // Single copy on the two-shot (the all-reduce that carries it on 4 ranks):
             // peers read the victim's buffers as it dies.
@@ -160,6 +167,7 @@ impl Algo {
             Algo::Tree => "tree",
             Algo::OneShot => "one_shot",
             Algo::TwoShot => "two_shot",
+            Algo::Doubling => "doubling",
         }
     }
 }
@@ -199,12 +207,14 @@ impl Mode {
 /// The kinds of step rank 2's all-reduce plan has under `algo` (4 ranks). One-shot
 /// sends its input to every peer, receives theirs into scratch memory and reduces
 /// locally, and two-shot sends blocks, folds its own and receives the others' results:
-/// neither copies without reducing. (A row whose step never comes fails:
-/// the victim must die by the fault.)
+/// neither copies without reducing. Recursive doubling on 4 ranks only sends and folds
+/// what it receives. (A row whose step never comes fails: the victim must die by the
+/// fault.)
 fn steps_of(algo: Algo) -> Vec<&'static str> {
     match algo {
         Algo::Ring | Algo::Tree => vec!["send", "recv", "reduce", "copy"],
         Algo::OneShot | Algo::TwoShot => vec!["send", "recv", "reduce"],
+        Algo::Doubling => vec!["send", "reduce"],
     }
 }
 

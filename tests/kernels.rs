@@ -586,7 +586,7 @@ fn the_executor_on_simulated_gpus_equals_the_host_engine_bit_for_bit() {
         // The two-shot is the ring's schedule on two ranks.
         let mut algorithms = vec![Algorithm::Ring, Algorithm::Tree, Algorithm::OneShot];
         if n > 2 {
-            algorithms.push(Algorithm::TwoShot);
+            algorithms.extend([Algorithm::TwoShot, Algorithm::Doubling]);
         }
         for algorithm in algorithms {
             for channels in [1, 2] {

@@ -5,6 +5,7 @@
 //! ferroccl-viz ring --ranks 4 --collective reduce_scatter
 //! ferroccl-viz tree --ranks 8                    # double binary tree all-reduce
 //! ferroccl-viz oneshot --ranks 4                 # one-shot all-reduce (also: twoshot)
+//! ferroccl-viz doubling --ranks 8                # recursive-doubling all-reduce
 //! ferroccl-viz all-gather --ranks 4 --algorithm oneshot
 //! ferroccl-viz all-gather --ranks 4              # also: reduce-scatter, broadcast, reduce
 //! ferroccl-viz ring --ranks 4 --html ring.html   # the same as an animated page
@@ -55,6 +56,9 @@ enum Command {
     /// The two-shot all-reduce's step table.
     #[command(name = "twoshot", alias = "two-shot")]
     TwoShot(TableArgs),
+    /// The recursive-doubling all-reduce's step table.
+    #[command(name = "doubling", alias = "recursive-doubling")]
+    Doubling(TableArgs),
     /// The reduce-scatter's step table (the ring unless --algorithm says otherwise).
     ReduceScatter(TableArgs),
     /// The all-gather's step table (the ring unless --algorithm says otherwise).
@@ -77,7 +81,7 @@ struct TableArgs {
     ranks: usize,
 
     /// The collective to show [default: the subcommand's: all_reduce for ring, tree,
-    /// oneshot and twoshot].
+    /// oneshot, twoshot and doubling].
     #[arg(long, value_name = "NAME")]
     collective: Option<CollectiveName>,
 
@@ -130,6 +134,9 @@ enum AlgorithmName {
     /// Two-shot: a reduce-scatter and an all-gather, each in one step.
     #[value(name = "twoshot", aliases = ["two-shot", "two_shot"])]
     TwoShot,
+    /// Recursive doubling: log₂ n rounds, each rank swapping its partial with one peer.
+    #[value(name = "doubling", aliases = ["recursive-doubling", "recursive_doubling"])]
+    Doubling,
 }
 
 impl From<AlgorithmName> for Algorithm {
@@ -139,6 +146,7 @@ impl From<AlgorithmName> for Algorithm {
             AlgorithmName::Tree => Algorithm::Tree,
             AlgorithmName::OneShot => Algorithm::OneShot,
             AlgorithmName::TwoShot => Algorithm::TwoShot,
+            AlgorithmName::Doubling => Algorithm::Doubling,
         }
     }
 }
@@ -208,6 +216,7 @@ fn run(command: Command) -> Result<(), String> {
         Command::Tree(a) => (C::AllReduce, Algorithm::Tree, a),
         Command::OneShot(a) => (C::AllReduce, Algorithm::OneShot, a),
         Command::TwoShot(a) => (C::AllReduce, Algorithm::TwoShot, a),
+        Command::Doubling(a) => (C::AllReduce, Algorithm::Doubling, a),
         Command::ReduceScatter(a) => (C::ReduceScatter, Algorithm::Ring, a),
         Command::AllGather(a) => (C::AllGather, Algorithm::Ring, a),
         Command::Broadcast(a) => (C::Broadcast, Algorithm::Ring, a),

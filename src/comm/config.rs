@@ -421,7 +421,7 @@ fn parse_list<T: Copy + PartialEq>(
 /// ignored, so an `NCCL_ALGO` meant for NCCL still works; anything else is an error
 /// naming it.
 pub fn parse_algorithms(var: &str, list: &str) -> Result<Vec<Algorithm>> {
-    let names = ("algorithm", "ring, tree, oneshot and twoshot");
+    let names = ("algorithm", "ring, tree, oneshot, twoshot and doubling");
     parse_list(
         var,
         list,
@@ -463,12 +463,16 @@ mod tests {
         assert_eq!(parse_algorithms("X", "Ring,Tree").unwrap(), [Ring, Tree]);
         assert_eq!(
             parse_algorithms("X", "^ring").unwrap(),
-            [Tree, OneShot, TwoShot]
+            [Tree, OneShot, TwoShot, Doubling]
         );
         assert_eq!(parse_algorithms("X", "TwoShot").unwrap(), [TwoShot]);
+        assert_eq!(
+            parse_algorithms("X", "recursive_doubling,ring").unwrap(),
+            [Ring, Doubling]
+        );
         assert_eq!(parse_algorithms("X", "nvls,tree").unwrap(), [Tree]);
         assert_eq!(parse_algorithms("X", "^nvls").unwrap(), Algorithm::ALL);
-        let err = parse_algorithms("X", "^ring,tree,oneshot,twoshot")
+        let err = parse_algorithms("X", "^ring,tree,oneshot,twoshot,doubling")
             .unwrap_err()
             .to_string();
         assert!(err.contains("leaves no algorithm"), "{err}");

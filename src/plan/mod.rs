@@ -29,10 +29,12 @@
 //!
 //! This file holds the plan's types and [`plan`], which picks a builder; the builders
 //! are one file per algorithm family, as NCCL keeps one per collective and Gloo one per
-//! algorithm: `ring.rs`, `tree_plans.rs` (over the trees of [`tree`]) and `direct.rs`
-//! (one-shot, two-shot, all-to-all, gather, scatter).
+//! algorithm: `ring.rs`, `tree_plans.rs` (over the trees of [`tree`]), `direct.rs`
+//! (one-shot, two-shot, all-to-all, gather, scatter) and `doubling.rs` (recursive
+//! doubling).
 
 mod direct;
+mod doubling;
 mod protocol;
 mod ring;
 pub mod sim;
@@ -558,34 +560,43 @@ pub enum Algorithm {
     /// the buffer); each block is folded in rank order by the rank that owns it. For the
     /// middle sizes.
     TwoShot,
+    /// All-reduce by recursive doubling: in ⌈log₂ n⌉ rounds each rank swaps its partial
+    /// result with one peer and combines the two (ranks beyond a power of two first hand
+    /// theirs to a neighbour). A rank waits on one peer at a time and sends the buffer
+    /// log₂ n times: for small messages when ranks outnumber cores.
+    Doubling,
 }
 
 impl Algorithm {
     /// Every algorithm ferroccl has.
-    pub const ALL: [Algorithm; 4] = [
+    pub const ALL: [Algorithm; 5] = [
         Algorithm::Ring,
         Algorithm::Tree,
         Algorithm::OneShot,
         Algorithm::TwoShot,
+        Algorithm::Doubling,
     ];
 
-    /// NCCL's name (`ring`, `tree`), or ferroccl's (`oneshot`, `twoshot`).
+    /// NCCL's name (`ring`, `tree`), or ferroccl's (`oneshot`, `twoshot`, `doubling`).
     pub fn name(&self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
             Algorithm::OneShot => "oneshot",
             Algorithm::TwoShot => "twoshot",
+            Algorithm::Doubling => "doubling",
         }
     }
 
-    /// The algorithm called `name` (any case; `one-shot` and `one_shot` too), if any.
+    /// The algorithm called `name` (any case; `one-shot` and `one_shot` too;
+    /// `recursive-doubling` for `doubling`), if any.
     pub fn named(name: &str) -> Option<Self> {
         match name.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
             "ring" => Some(Algorithm::Ring),
             "tree" => Some(Algorithm::Tree),
             "oneshot" => Some(Algorithm::OneShot),
             "twoshot" => Some(Algorithm::TwoShot),
+            "doubling" | "recursivedoubling" => Some(Algorithm::Doubling),
             _ => None,
         }
     }
@@ -615,7 +626,7 @@ impl Algorithm {
                     | Collective::AllGather
                     | Collective::ReduceScatter
             ),
-            Algorithm::TwoShot => collective == Collective::AllReduce,
+            Algorithm::TwoShot | Algorithm::Doubling => collective == Collective::AllReduce,
         }
     }
 }
@@ -888,6 +899,7 @@ pub fn plan(
             Algorithm::Tree => b.tree_all_reduce(),
             Algorithm::OneShot => b.one_shot_all_reduce(),
             Algorithm::TwoShot => b.two_shot_all_reduce(),
+            Algorithm::Doubling => b.doubling_all_reduce(),
         },
         Collective::ReduceScatter => match options.algorithm {
             Algorithm::OneShot => b.one_shot_reduce_scatter(),

@@ -56,8 +56,9 @@ impl Protocol {
     /// never stores, cannot be read in place, so reducing rings of more than two ranks
     /// and trees keep the FIFOs. Nor can the one-shot all-reduce: in place, every rank
     /// would fold into the very buffer its peers are reading, and each would wait for
-    /// the others to finish reading first. The two-shot, the other direct collectives
-    /// and every moving collective qualify.
+    /// the others to finish reading first; recursive doubling folds into the output its
+    /// partner reads in every round. The two-shot, the other direct collectives and
+    /// every moving collective qualify.
     pub fn carries(
         &self,
         collective: super::Collective,
@@ -70,7 +71,7 @@ impl Protocol {
             Protocol::SingleCopy => match algorithm {
                 Algorithm::OneShot => collective != super::Collective::AllReduce,
                 Algorithm::TwoShot => true,
-                Algorithm::Tree => false,
+                Algorithm::Tree | Algorithm::Doubling => false,
                 Algorithm::Ring => !collective.is_reducing() || nranks <= 2,
             },
         }

@@ -521,4 +521,22 @@ fn direct_algorithms_send_what_the_model_says() {
             assert_eq!(p.elems_sent(), sent, "{algorithm:?} rank {r}");
         }
     }
+    // Recursive doubling: the buffer once a round. On 5 ranks, 4 double (2 rounds);
+    // rank 1 hands its buffer to rank 0, which sends it the result.
+    let options = PlanOptions::with_channels(n, 2, 64).with_algorithm(Algorithm::Doubling);
+    for (r, rounds) in [3, 1, 2, 2, 2].into_iter().enumerate() {
+        let p = plan(Collective::AllReduce, count, r, n, &options).unwrap();
+        assert_eq!(p.elems_sent(), rounds * count, "doubling rank {r}");
+    }
+    for n in [2, 4, 8] {
+        let options = PlanOptions::with_channels(n, 1, 64).with_algorithm(Algorithm::Doubling);
+        for r in 0..n {
+            let p = plan(Collective::AllReduce, count, r, n, &options).unwrap();
+            assert_eq!(
+                p.elems_sent(),
+                n.ilog2() as usize * count,
+                "{n} ranks, rank {r}"
+            );
+        }
+    }
 }

@@ -481,9 +481,12 @@ impl StepTable {
         }
         let partial = round.transfers.iter().any(|t| t.partial);
         let tree = self.algorithm == Algorithm::Tree;
+        let doubling = self.algorithm == Algorithm::Doubling;
         match self.collective {
             Collective::AllReduce if tree && partial => "reduce up the trees",
             Collective::AllReduce if tree => "broadcast down the trees",
+            Collective::AllReduce if doubling && partial => "exchange partial sums",
+            Collective::AllReduce if doubling => "hand results back",
             Collective::AllReduce if partial => "reduce-scatter",
             Collective::AllReduce => "all-gather",
             Collective::ReduceScatter => "reduce-scatter",
@@ -574,6 +577,7 @@ pub fn bytes_summary(
     let n = nranks as f64;
     let (first, second) = match (collective, algorithm) {
         (Collective::AllReduce, Algorithm::Tree) => ("up the trees", "down the trees"),
+        (Collective::AllReduce, Algorithm::Doubling) => ("partial sums", "results"),
         (Collective::AllReduce, _) => ("reduce-scatter", "all-gather"),
         _ => ("partial", "final"),
     };
