@@ -447,6 +447,17 @@ fn typical_command_lines_work_as_before() {
         "{text}"
     );
     assert!(text.contains("# protocol:"), "{text}");
+    // With two ranks to a CPU, recursive doubling takes the middle sizes.
+    let out = run(TUNE, &["predict", "--ranks", "4", "--cpus", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("4 ranks, 1 hosts (2 CPUs a host)"), "{text}");
+    assert!(
+        text.contains("# all algorithms: oneshot below ")
+            && text.contains(" bytes, doubling below ")
+            && text.contains(" bytes, twoshot below "),
+        "{text}"
+    );
 
     // ferroccl-topo, as text and as JSON.
     let out = run(

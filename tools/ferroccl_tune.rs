@@ -31,7 +31,7 @@ use ferroccl::comm::CommConfig;
 use ferroccl::plan::{Algorithm, Collective};
 use ferroccl::transport::Protocol;
 use ferroccl::transport::window::SharedMemory;
-use ferroccl::tune::{Choice, CostModel, LinkCost, Shape};
+use ferroccl::tune::{Choice, CostModel, Crowding, LinkCost, Shape};
 
 /// The command line.
 #[derive(Debug, Parser)]
@@ -73,6 +73,11 @@ struct PredictArgs {
     /// Hosts the ranks are spread over evenly (clamped to 1..=N).
     #[arg(long, value_name = "H", default_value_t = 1)]
     hosts: usize,
+
+    /// CPUs of each host the ranks run on [default: one per rank]; fewer than the
+    /// ranks of a host prices crowded CPUs, as `nproc` of a 2-core machine under 4 ranks.
+    #[arg(long, value_name = "C", value_parser = clap::value_parser!(u32).range(1..))]
+    cpus: Option<u32>,
 
     /// The network link: latency in microseconds, bandwidth in GB/s.
     #[arg(long, value_name = "ALPHA_US,GBPS", value_parser = link)]
@@ -152,10 +157,20 @@ fn predict(args: PredictArgs) -> Result<(), String> {
     }
     let ranks = args.ranks;
     let hosts = args.hosts.clamp(1, ranks.max(1));
-    let shape = Shape::even(ranks, hosts);
+    let mut shape = Shape::even(ranks, hosts);
+    if let Some(cpus) = args.cpus {
+        shape.crowding = Crowding {
+            ranks: shape.ranks_per_host,
+            cpus: cpus as usize,
+        };
+    }
     let show = |c: LinkCost| format!("{:.2} us {:.2} GB/s", c.alpha * 1e6, c.beta / 1e9);
+    let cpus = match args.cpus {
+        Some(c) => format!(" ({c} CPUs a host)"),
+        None => String::new(),
+    };
     println!(
-        "# all-reduce on {ranks} ranks, {hosts} hosts; local {} (LL {}, single copy {}{}), net {}",
+        "# all-reduce on {ranks} ranks, {hosts} hosts{cpus}; local {} (LL {}, single copy {}{}), net {}",
         show(model.local),
         show(model.local_ll),
         show(model.local_single),
@@ -199,26 +214,55 @@ fn predict(args: PredictArgs) -> Result<(), String> {
         Some(x) => println!("# ring or tree: tree below {x} bytes, ring from there"),
         None => println!("# ring or tree: the ring at every size"),
     }
-    let direct = |c: Choice| c.algorithm.folds_in_rank_order();
-    match model.crossover_among(shape, &Algorithm::ALL, direct) {
-        Some(x) => {
-            let one_shot = model
-                .crossover_among(shape, &Algorithm::ALL, |c| {
-                    c.algorithm == Algorithm::OneShot
-                })
-                .unwrap_or(1);
-            println!(
-                "# all algorithms: one-shot below {one_shot} bytes, two-shot below {x} (if it \
-                 comes between), then ring or tree"
-            );
-        }
-        None => println!("# all algorithms: no direct algorithm at any size"),
-    }
+    println!("# all algorithms: {}", algorithm_ranges(&model, shape));
     match model.crossover(shape, |c| c.protocol == Protocol::LL) {
         Some(x) => println!("# protocol: LL below {x} bytes, Simple from there"),
         None => println!("# protocol: Simple at every size"),
     }
     Ok(())
+}
+
+/// The algorithm the model picks for an all-reduce, size by size, as ranges: `oneshot
+/// below 3201 bytes, twoshot below 927147, then ring`.
+fn algorithm_ranges(model: &CostModel, shape: Shape) -> String {
+    let pick = |bytes| {
+        model
+            .best(
+                Collective::AllReduce,
+                bytes,
+                shape,
+                &Algorithm::ALL,
+                &Protocol::ALL,
+            )
+            .algorithm
+    };
+    let mut ranges = Vec::new();
+    let mut current = pick(1);
+    let mut bytes = 1usize;
+    // Doubling sizes up to 1 TiB; where the pick changes, the first size of the next
+    // pick by bisection.
+    while bytes < 1 << 40 {
+        let next = bytes * 2;
+        if pick(next) != current {
+            let (mut lo, mut hi) = (bytes, next);
+            while lo + 1 < hi {
+                let mid = lo + (hi - lo) / 2;
+                if pick(mid) == current {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            ranges.push(format!("{} below {hi} bytes", current.name()));
+            current = pick(hi);
+        }
+        bytes = next;
+    }
+    ranges.push(format!("then {}", current.name()));
+    if ranges.len() == 1 {
+        return format!("{} at every size", current.name());
+    }
+    ranges.join(", ")
 }
 
 /// Half a ping-pong's round trip between rank 0 and `peer` for `buf`, averaged over
