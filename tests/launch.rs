@@ -159,7 +159,7 @@ fn allowed_cpus(bind: &str, nproc: usize) -> Result<BTreeMap<usize, String>, Str
 }
 
 #[test]
-fn ranks_are_bound_to_a_cpu_each_when_there_are_enough() {
+fn ranks_are_bound_to_a_cpu_each_or_round_robin() {
     let cpus = std::thread::available_parallelism().unwrap().get();
     let all = allowed_cpus("none", 1).unwrap()[&0].clone();
     // As many ranks as CPUs: one CPU each, all different (auto and core).
@@ -174,9 +174,18 @@ fn ranks_are_bound_to_a_cpu_each_when_there_are_enough() {
         seen.dedup();
         assert_eq!(seen.len(), cpus, "{bind}: {got:?}");
     }
-    // More ranks than CPUs: auto leaves them free, core refuses, none never binds.
-    let free = allowed_cpus("auto", cpus + 1).unwrap();
-    assert!(free.values().all(|c| *c == all), "{free:?} vs {all}");
+    // More ranks than CPUs: auto binds round robin (rank r where rank r mod c is),
+    // core refuses, none never binds.
+    let crowded = allowed_cpus("auto", 2 * cpus + 1).unwrap();
+    assert_eq!(crowded.len(), 2 * cpus + 1);
+    for (r, c) in &crowded {
+        assert!(c.parse::<usize>().is_ok(), "rank {r}: {crowded:?}");
+        assert_eq!(*c, crowded[&(r % cpus)], "rank {r}: {crowded:?}");
+    }
+    let mut distinct: Vec<&String> = crowded.values().collect();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), cpus, "{crowded:?}");
     let err = allowed_cpus("core", cpus + 1).unwrap_err();
     assert!(
         err.contains(&format!("cannot bind {} ranks", cpus + 1)),

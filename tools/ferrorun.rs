@@ -81,8 +81,8 @@ struct Cli {
     #[arg(long, alias = "no_prefix")]
     no_prefix: bool,
 
-    /// Bind each rank to a CPU of its own: auto when there are enough CPUs, core always,
-    /// none never [default: FERROCCL_CPU_BIND, else auto].
+    /// Bind each rank to a CPU: auto a CPU each, round robin when ranks outnumber CPUs;
+    /// core a CPU each or an error; none never [default: FERROCCL_CPU_BIND, else auto].
     #[arg(long, value_name = "MODE")]
     bind: Option<Bind>,
 
@@ -98,7 +98,7 @@ struct Cli {
 /// `--bind`'s values (those of [`CpuBind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Bind {
-    /// Bind when there are at least as many CPUs as local ranks.
+    /// Bind local rank i to the i-th CPU, round robin when ranks outnumber CPUs.
     Auto,
     /// Bind local rank i to the i-th CPU (an error when ranks outnumber CPUs).
     Core,
