@@ -372,16 +372,19 @@ impl CostModel {
                 // log₂ p rounds on one peer each, and two more hand-offs where ranks
                 // beyond the power of two hand their contributions over and get the
                 // result back. A hand-off waits on one peer, as a chain's step does,
-                // and the exchange as a whole ¾ of one more, fitted so that the model's
-                // crossovers fall where the measured ones do (4 ranks on 2 cores, see
-                // the tests). Where it is a candidate: [`CostModel::doubling_pays`].
+                // and the exchange as a whole ¾ of one more; a round's fold costs half
+                // of the one-shot's per byte (it reads the partner's sum from the FIFO
+                // and its own from cache). Both fitted so that the model's crossovers
+                // fall where the measured ones do (4 ranks on 2 cores, 8–64 KiB:
+                // doubling 0.35 µs per KiB, two-shot 0.27; see the tests). Where it is
+                // a candidate: [`CostModel::doubling_pays`].
                 let p = 1usize << shape.ranks.ilog2();
                 let rounds = p.ilog2() as f64;
                 let hand_overs = if p < shape.ranks { 2.0 } else { 0.0 };
                 let hand_offs = rounds + hand_overs;
                 (hand_offs * step + 0.75) * pace.alpha
                     + hand_offs * s / pace.beta
-                    + (rounds + hand_overs / 2.0) * s / self.local.beta
+                    + (rounds + hand_overs / 2.0) * s / (2.0 * self.local.beta)
             }
             Algorithm::Ring => {
                 2.0 * n1 * step * pace.alpha
@@ -656,15 +659,16 @@ mod tests {
     }
 
     /// Recursive doubling waits on one peer per round: with two ranks to each CPU it
-    /// takes the sizes between the one-shot's and the two-shot's. Measured on 2 cores
-    /// (2026-11-28, 4 ranks, µs, medians of 7 to 18 runs from five interleaved series
-    /// in both placements), one-shot / doubling / two-shot: 1 KiB 5.0 / 6.7 / 8.4, 2 KiB
-    /// 5.7 / 7.2 / 8.7, 4 KiB 7.9 / 8.0 / 10.9, 8 KiB 10.5 / 9.8 / 12.5, 16 KiB 14.8 /
-    /// 13.0 / 14.1, 32 KiB 23.4 / 19.6 / 18.5, 64 KiB 41.4 / 34.5 / 26.4. At 4 KiB the
-    /// two are even, and the model may give it either. Elsewhere doubling loses: 8
-    /// ranks on 2 cores (the two-shot from 4 KiB, the one-shot below), 3 ranks (its two
-    /// extra hand-offs), and wherever ranks have a CPU each (the two-shot has its
-    /// hand-offs and fewer bytes).
+    /// takes the sizes between the one-shot's and the two-shot's. Measured on 2 cores,
+    /// 4 ranks, 2026-11-28, one-shot / doubling / two-shot, µs: bound round robin as the
+    /// launchers bind them (3 interleaved runs), 1 KiB 4.8 / 4.8 / 7.5, 2 KiB 6.5 / 6.6
+    /// / 8.1, 4 KiB 8.9 / 6.8 / 9.0, 8 KiB 11.9 / 8.2 / 11.5, 16 KiB 14.3 / 10.4 /
+    /// 13.6, 32 KiB 21.7 / 16.4 / 17.9, 64 KiB 42.9 / 27.9 / 26.6; left free (medians
+    /// of 7 to 18 runs), 2 KiB 5.7 / 7.2 / 8.7, 4 KiB 7.9 / 8.0 / 10.9, 8 KiB 10.5 /
+    /// 9.8 / 12.5, 16 KiB 14.8 / 13.0 / 14.1, 32 KiB 23.4 / 19.6 / 18.5. Elsewhere
+    /// doubling loses: 8 ranks on 2 cores (the two-shot from 4 KiB, the one-shot
+    /// below), 3 ranks (its two extra hand-offs), and wherever ranks have a CPU each
+    /// (the two-shot has its hand-offs and fewer bytes).
     #[test]
     fn recursive_doubling_for_the_middle_sizes_of_two_ranks_to_a_cpu() {
         let m = CostModel::default();
@@ -687,9 +691,10 @@ mod tests {
         for (bytes, algorithm) in [
             (256, Algorithm::OneShot),
             (2 << 10, Algorithm::OneShot),
-            (8 << 10, Algorithm::Doubling),
+            (4 << 10, Algorithm::Doubling),
             (16 << 10, Algorithm::Doubling),
-            (32 << 10, Algorithm::TwoShot),
+            (32 << 10, Algorithm::Doubling),
+            (64 << 10, Algorithm::TwoShot),
         ] {
             assert_eq!(pick(four, bytes), algorithm, "4 ranks, {bytes} B");
         }
