@@ -571,6 +571,14 @@ mod tests {
         Shape::even(ranks, hosts)
     }
 
+    /// `ranks` on one host that has `cpus` CPUs.
+    fn on_cpus(ranks: usize, cpus: usize) -> Shape {
+        Shape {
+            crowding: Crowding { ranks, cpus },
+            ..shape(ranks, 1)
+        }
+    }
+
     /// Where ranks outnumber the CPUs, the ring takes over from the two-shot at a
     /// smaller size: other ranks run while its pipeline fills. Measured on 2 cores
     /// (2026-11-25, busbw GB/s, three runs each in the near placement): 4 ranks at 512
@@ -579,10 +587,6 @@ mod tests {
     #[test]
     fn crowded_cpus_move_the_ring_crossover_down() {
         let m = CostModel::default();
-        let crowded = |ranks, cpus| Shape {
-            crowding: Crowding { ranks, cpus },
-            ..shape(ranks, 1)
-        };
         let is_two_shot = |c: Choice| c.algorithm == Algorithm::TwoShot;
         let direct = [Algorithm::Ring, Algorithm::TwoShot];
         for ranks in [4, 8] {
@@ -590,7 +594,7 @@ mod tests {
                 .crossover_among(shape(ranks, 1), &direct, is_two_shot)
                 .unwrap();
             let busy = m
-                .crossover_among(crowded(ranks, 2), &direct, is_two_shot)
+                .crossover_among(on_cpus(ranks, 2), &direct, is_two_shot)
                 .unwrap();
             assert!(free > 512 << 10, "{ranks} ranks with a CPU each: {free}");
             assert!(
@@ -613,10 +617,7 @@ mod tests {
     #[test]
     fn crowded_cpus_keep_the_direct_algorithms_for_their_sizes() {
         let m = CostModel::default();
-        let crowded = |ranks| Shape {
-            crowding: Crowding { ranks, cpus: 2 },
-            ..shape(ranks, 1)
-        };
+        let crowded = |ranks| on_cpus(ranks, 2);
         let direct = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
         let pick = |ranks, bytes| {
             m.best(
@@ -672,10 +673,6 @@ mod tests {
     #[test]
     fn recursive_doubling_for_the_middle_sizes_of_two_ranks_to_a_cpu() {
         let m = CostModel::default();
-        let on_cpus = |ranks, cpus| Shape {
-            crowding: Crowding { ranks, cpus },
-            ..shape(ranks, 1)
-        };
         let protocols = [Protocol::Simple, Protocol::LL];
         let pick = |shape, bytes| {
             m.best(
