@@ -17,7 +17,7 @@
 //! a thread on another core is slow: on the project's 2-core VM, 2 ranks all-reducing
 //! 64 MiB over loopback TCP move 2.2–3.0 GB/s bound and 1.7–2.3 GB/s unbound, because
 //! a TCP send proxy on another core than its engine reads every slot from that core's
-//! cache. Ranks that outnumber the CPUs are bound round robin.
+//! cache. Ranks that outnumber the CPUs are bound in blocks of consecutive ranks.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -60,12 +60,16 @@ pub struct LocalJob {
 /// Whether the launcher binds each local rank to a CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CpuBind {
-    /// Local rank `i` on the `i`-th CPU available to the launcher, round robin when
-    /// ranks outnumber the CPUs (rank `i` on CPU `i mod c`, as Intel MPI pins them).
-    /// Bound, ranks that share a CPU stay with the same partners instead of following
-    /// the scheduler's migrations: 4 ranks on 2 cores, 8 KiB all-reduce, 7.2–7.8 µs
-    /// bound against 7.8–10.8 left free, 16 KiB 10.1–10.4 against 10.5–15.8 (3
-    /// interleaved runs, 2026-11-28); 3 and 8 ranks and large sizes the same or better.
+    /// Local rank `i` on the `i`-th CPU available to the launcher; when ranks outnumber
+    /// the CPUs, in blocks of consecutive ranks (`n` ranks on `c` CPUs: rank `i` on CPU
+    /// `⌊i·c/n⌋`, Slurm's block distribution). Bound, ranks that share a CPU stay with
+    /// the same partners instead of following the scheduler's migrations, and ring
+    /// neighbours share a CPU where they can (their FIFOs stay in its cache). 4 ranks
+    /// on 2 cores, 3 interleaved runs (2026-11-28), blocks against free: 1–32 KiB 3.4–
+    /// 14.6 µs against 4.9–19.0 (8 KiB 7.3–7.6 against 8.1–9.6), 2 MiB 7.4–8.6 GB/s
+    /// against 6.6–8.4, 128 MiB 4.3–5.1 against 4.1–5.0; round robin (`i mod c`, as
+    /// Intel MPI pins) was as fast small but lost at 2–128 MiB (128 MiB 3.4–4.4: every
+    /// ring hop crossed cores). 3 and 8 ranks the same within the noise.
     #[default]
     Auto,
     /// Local rank `i` on the `i`-th available CPU (an error when ranks outnumber CPUs).
@@ -114,7 +118,15 @@ impl CpuBind {
                 cpus.len()
             )));
         }
-        Ok(Some((0..nranks).map(|r| cpus[r % cpus.len()]).collect()))
+        // One CPU each, or `⌊r·c/n⌋`: blocks of consecutive ranks.
+        let per = |r: usize| {
+            if nranks <= cpus.len() {
+                r
+            } else {
+                r * cpus.len() / nranks
+            }
+        };
+        Ok(Some((0..nranks).map(|r| cpus[per(r)]).collect()))
     }
 }
 

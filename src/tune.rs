@@ -661,8 +661,9 @@ mod tests {
 
     /// Recursive doubling waits on one peer per round: with two ranks to each CPU it
     /// takes the sizes between the one-shot's and the two-shot's. Measured on 2 cores,
-    /// 4 ranks, 2026-11-28, one-shot / doubling / two-shot, µs: bound round robin as the
-    /// launchers bind them (3 interleaved runs), 1 KiB 4.8 / 4.8 / 7.5, 2 KiB 6.5 / 6.6
+    /// 4 ranks, 2026-11-28, one-shot / doubling / two-shot, µs: bound two to a CPU as
+    /// the launchers bind them (round robin then; blocks measure the same at 1–32 KiB; 3
+    /// interleaved runs), 1 KiB 4.8 / 4.8 / 7.5, 2 KiB 6.5 / 6.6
     /// / 8.1, 4 KiB 8.9 / 6.8 / 9.0, 8 KiB 11.9 / 8.2 / 11.5, 16 KiB 14.3 / 10.4 /
     /// 13.6, 32 KiB 21.7 / 16.4 / 17.9, 64 KiB 42.9 / 27.9 / 26.6; left free (medians
     /// of 7 to 18 runs), 2 KiB 5.7 / 7.2 / 8.7, 4 KiB 7.9 / 8.0 / 10.9, 8 KiB 10.5 /

@@ -174,18 +174,15 @@ fn ranks_are_bound_to_a_cpu_each_or_round_robin() {
         seen.dedup();
         assert_eq!(seen.len(), cpus, "{bind}: {got:?}");
     }
-    // More ranks than CPUs: auto binds round robin (rank r where rank r mod c is),
-    // core refuses, none never binds.
-    let crowded = allowed_cpus("auto", 2 * cpus + 1).unwrap();
-    assert_eq!(crowded.len(), 2 * cpus + 1);
+    // More ranks than CPUs: auto binds blocks of consecutive ranks (rank r of n on the
+    // ⌊r·c/n⌋-th CPU), core refuses, none never binds.
+    let n = 2 * cpus + 1;
+    let crowded = allowed_cpus("auto", n).unwrap();
+    assert_eq!(crowded.len(), n);
+    let own = allowed_cpus("auto", cpus).unwrap();
     for (r, c) in &crowded {
-        assert!(c.parse::<usize>().is_ok(), "rank {r}: {crowded:?}");
-        assert_eq!(*c, crowded[&(r % cpus)], "rank {r}: {crowded:?}");
+        assert_eq!(*c, own[&(r * cpus / n)], "rank {r}: {crowded:?} ({own:?})");
     }
-    let mut distinct: Vec<&String> = crowded.values().collect();
-    distinct.sort();
-    distinct.dedup();
-    assert_eq!(distinct.len(), cpus, "{crowded:?}");
     let err = allowed_cpus("core", cpus + 1).unwrap_err();
     assert!(
         err.contains(&format!("cannot bind {} ranks", cpus + 1)),

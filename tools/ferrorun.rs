@@ -81,8 +81,9 @@ struct Cli {
     #[arg(long, alias = "no_prefix")]
     no_prefix: bool,
 
-    /// Bind each rank to a CPU: auto a CPU each, round robin when ranks outnumber CPUs;
-    /// core a CPU each or an error; none never [default: FERROCCL_CPU_BIND, else auto].
+    /// Bind each rank to a CPU: auto a CPU each, or blocks of consecutive ranks when
+    /// ranks outnumber CPUs; core a CPU each or an error; none never [default:
+    /// FERROCCL_CPU_BIND, else auto].
     #[arg(long, value_name = "MODE")]
     bind: Option<Bind>,
 
@@ -98,7 +99,7 @@ struct Cli {
 /// `--bind`'s values (those of [`CpuBind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Bind {
-    /// Bind local rank i to the i-th CPU, round robin when ranks outnumber CPUs.
+    /// Bind local rank i to the i-th CPU; n ranks on c < n CPUs: rank i to CPU i*c/n.
     Auto,
     /// Bind local rank i to the i-th CPU (an error when ranks outnumber CPUs).
     Core,
