@@ -118,15 +118,11 @@ impl CpuBind {
                 cpus.len()
             )));
         }
-        // One CPU each, or `⌊r·c/n⌋`: blocks of consecutive ranks.
-        let per = |r: usize| {
-            if nranks <= cpus.len() {
-                r
-            } else {
-                r * cpus.len() / nranks
-            }
-        };
-        Ok(Some((0..nranks).map(|r| cpus[per(r)]).collect()))
+        // `⌊r·c/max(n, c)⌋`: one CPU each, or blocks of consecutive ranks.
+        let c = cpus.len();
+        Ok(Some(
+            (0..nranks).map(|r| cpus[r * c / nranks.max(c)]).collect(),
+        ))
     }
 }
 

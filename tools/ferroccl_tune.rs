@@ -223,7 +223,8 @@ fn predict(args: PredictArgs) -> Result<(), String> {
 }
 
 /// The algorithm the model picks for an all-reduce, size by size, as ranges: `oneshot
-/// below 3201 bytes, twoshot below 927147, then ring`.
+/// below 3201 bytes, twoshot below 927147, then ring` (each end found by
+/// [`CostModel::crossover_among`]: where the pick leaves the algorithms seen so far).
 fn algorithm_ranges(model: &CostModel, shape: Shape) -> String {
     let pick = |bytes| {
         model
@@ -236,32 +237,20 @@ fn algorithm_ranges(model: &CostModel, shape: Shape) -> String {
             )
             .algorithm
     };
+    let mut seen = vec![pick(1)];
     let mut ranges = Vec::new();
-    let mut current = pick(1);
-    let mut bytes = 1usize;
-    // Doubling sizes up to 1 TiB; where the pick changes, the first size of the next
-    // pick by bisection.
-    while bytes < 1 << 40 {
-        let next = bytes * 2;
-        if pick(next) != current {
-            let (mut lo, mut hi) = (bytes, next);
-            while lo + 1 < hi {
-                let mid = lo + (hi - lo) / 2;
-                if pick(mid) == current {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            ranges.push(format!("{} below {hi} bytes", current.name()));
-            current = pick(hi);
-        }
-        bytes = next;
+    while let Some(end) = model
+        .crossover_among(shape, &Algorithm::ALL, |c| seen.contains(&c.algorithm))
+        .filter(|&end| end < 1 << 40)
+    {
+        ranges.push(format!("{} below {end} bytes", seen[seen.len() - 1].name()));
+        seen.push(pick(end));
     }
-    ranges.push(format!("then {}", current.name()));
-    if ranges.len() == 1 {
-        return format!("{} at every size", current.name());
+    let last = seen[seen.len() - 1].name();
+    if ranges.is_empty() {
+        return format!("{last} at every size");
     }
+    ranges.push(format!("then {last}"));
     ranges.join(", ")
 }
 
