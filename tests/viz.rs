@@ -281,3 +281,25 @@ fn animated_page_shows_the_round_in_a_real_browser() {
         std::fs::copy(&shot, keep).unwrap();
     }
 }
+
+/// Recursive doubling on 3 ranks: rank 1 hands its input to rank 0, ranks 0 and 2
+/// exchange partial sums, and rank 0 hands the result back; every rank ends with the
+/// sum of all three, and the phases and byte counts are named as doubling's.
+#[test]
+fn three_rank_doubling_table_hands_over_exchanges_and_hands_back() {
+    let t = viz::step_table(Collective::AllReduce, Algorithm::Doubling, 3).unwrap();
+    let last = t.rounds.len() - 1;
+    for r in 0..3 {
+        // Chunk a: 10 + 20 + 30.
+        assert_eq!(cell(&t, last, r, 0), (60, 3), "rank {r}");
+    }
+    let phases: Vec<&str> = t.rounds.iter().map(|r| t.phase_of(r)).collect();
+    assert_eq!(phases[1], "exchange partial sums", "{phases:?}");
+    assert_eq!(phases[last], "hand results back", "{phases:?}");
+    let bytes = viz::bytes_summary(Collective::AllReduce, Algorithm::Doubling, 3).unwrap();
+    // Rank 0 sends the buffer twice (its partial to rank 2, the result to rank 1).
+    assert!(
+        bytes.contains("rank 0  partial sums 1.0000 S, results 1.0000 S, total 2.0000 S"),
+        "{bytes}"
+    );
+}
