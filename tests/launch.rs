@@ -411,11 +411,36 @@ fn spawn_env_ranks(ranks: &[usize], world: usize, timeout_secs: &str) -> Vec<(us
         .collect()
 }
 
+/// Runs `ferroccl-rendezvous` as the given ranks (see [`spawn_env_ranks`]) until they
+/// all exit, each within `limit`. Runs them again on another port, up to 3 times in all,
+/// when rank 0 could not host the store because something else took the port between
+/// [`free_port`] and its bind (EADDRINUSE), as `python/tests/harness.py` does.
+fn run_env_ranks(
+    ranks: &[usize],
+    world: usize,
+    timeout_secs: &str,
+    limit: Duration,
+) -> Vec<(usize, Output)> {
+    let mut attempt = 1;
+    loop {
+        let outs: Vec<(usize, Output)> = spawn_env_ranks(ranks, world, timeout_secs)
+            .into_iter()
+            .map(|(rank, child)| (rank, wait_with_limit(child, limit)))
+            .collect();
+        let taken = outs
+            .iter()
+            .any(|(_, out)| text(&out.stderr).contains("Address already in use"));
+        if !taken || attempt == 3 {
+            return outs;
+        }
+        attempt += 1;
+    }
+}
+
 #[test]
 fn eight_processes_rendezvous_by_env_with_rank0_hosting() {
     let mut per_rank = BTreeMap::new();
-    for (rank, child) in spawn_env_ranks(&[0, 1, 2, 3, 4, 5, 6, 7], 8, "60") {
-        let out = wait_with_limit(child, Duration::from_secs(60));
+    for (rank, out) in run_env_ranks(&[0, 1, 2, 3, 4, 5, 6, 7], 8, "60", Duration::from_secs(60)) {
         assert!(out.status.success(), "rank {rank}: {}", text(&out.stderr));
         per_rank.insert(
             rank,
@@ -428,9 +453,7 @@ fn eight_processes_rendezvous_by_env_with_rank0_hosting() {
 #[test]
 fn a_missing_rank_is_named_by_every_other_rank() {
     let start = Instant::now();
-    let children = spawn_env_ranks(&[0, 1, 2, 3, 4, 6, 7], 8, "3");
-    for (rank, child) in children {
-        let out = wait_with_limit(child, Duration::from_secs(30));
+    for (rank, out) in run_env_ranks(&[0, 1, 2, 3, 4, 6, 7], 8, "3", Duration::from_secs(30)) {
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "rank {rank}: {stderr}");
         assert!(
