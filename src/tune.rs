@@ -174,6 +174,15 @@ impl Crowding {
             self.ranks as f64 / self.cpus.max(1) as f64
         }
     }
+
+    /// Whether local ranks `a` and `b` run on one CPU: ranks that outnumber the CPUs,
+    /// bound in blocks of consecutive ranks as `ferrorun` and the perf tools bind them
+    /// ([`crate::launch::cpu_in_blocks`]).
+    pub fn share_cpu(&self, a: usize, b: usize) -> bool {
+        use crate::launch::cpu_in_blocks;
+        self.ranks > self.cpus
+            && cpu_in_blocks(a, self.ranks, self.cpus) == cpu_in_blocks(b, self.ranks, self.cpus)
+    }
 }
 
 /// What the model picks for a call.
@@ -369,10 +378,9 @@ impl CostModel {
                     + n1 / n * s / self.local.beta
             }
             Algorithm::Doubling => {
-                // log₂ p rounds on one peer each, and two more hand-offs where ranks
-                // beyond the power of two hand their contributions over and get the
-                // result back. A hand-off waits on one peer, as a chain's step does,
-                // and the exchange as a whole ¾ of one more; a round's fold costs half
+                // log₂ p rounds on one peer each (p the largest power of two not above
+                // n). A round waits on one peer, as a chain's step does, and the
+                // exchange as a whole ¾ of one more; a round's fold costs half
                 // of the one-shot's per byte (it reads the partner's sum from the FIFO
                 // and its own from cache). Both fitted so that the model's crossovers
                 // fall where the measured ones do (4 ranks on 2 cores, 8–64 KiB:
@@ -380,11 +388,27 @@ impl CostModel {
                 // a candidate: [`CostModel::doubling_pays`].
                 let p = 1usize << shape.ranks.ilog2();
                 let rounds = p.ilog2() as f64;
-                let hand_overs = if p < shape.ranks { 2.0 } else { 0.0 };
-                let hand_offs = rounds + hand_overs;
-                (hand_offs * step + 0.75) * pace.alpha
-                    + hand_offs * s / pace.beta
-                    + (rounds + hand_overs / 2.0) * s / (2.0 * self.local.beta)
+                let doubling = (rounds * step + 0.75) * pace.alpha
+                    + rounds * s / pace.beta
+                    + rounds * s / (2.0 * self.local.beta);
+                // The pairs beyond the power of two: ranks 2j + 1 hand their inputs to
+                // 2j and get the result back, two hand-offs of the whole buffer and a
+                // fold. Where each pair shares a CPU, a hand-off is a switch between
+                // the two on warm caches: ¾·α, and the bytes at 4 times the link's
+                // bandwidth, both fitted to 3 ranks on 2 cores (2026-11-28; see the
+                // tests): the measured slopes of doubling and the two-shot were equal
+                // there, doubling's intercept lower.
+                let extra = shape.ranks - p;
+                let pairs_share_cpus =
+                    (0..extra).all(|j| shape.crowding.share_cpu(2 * j, 2 * j + 1));
+                let hand_overs = if extra == 0 {
+                    0.0
+                } else if pairs_share_cpus {
+                    2.0 * (0.75 * pace.alpha + s / (4.0 * pace.beta))
+                } else {
+                    2.0 * (step * pace.alpha + s / pace.beta) + s / (2.0 * self.local.beta)
+                };
+                doubling + hand_overs
             }
             Algorithm::Ring => {
                 2.0 * n1 * step * pace.alpha
@@ -667,10 +691,16 @@ mod tests {
     /// / 8.1, 4 KiB 8.9 / 6.8 / 9.0, 8 KiB 11.9 / 8.2 / 11.5, 16 KiB 14.3 / 10.4 /
     /// 13.6, 32 KiB 21.7 / 16.4 / 17.9, 64 KiB 42.9 / 27.9 / 26.6; left free (medians
     /// of 7 to 18 runs), 2 KiB 5.7 / 7.2 / 8.7, 4 KiB 7.9 / 8.0 / 10.9, 8 KiB 10.5 /
-    /// 9.8 / 12.5, 16 KiB 14.8 / 13.0 / 14.1, 32 KiB 23.4 / 19.6 / 18.5. Elsewhere
-    /// doubling loses: 8 ranks on 2 cores (the two-shot from 4 KiB, the one-shot
-    /// below), 3 ranks (its two extra hand-offs), and wherever ranks have a CPU each
-    /// (the two-shot has its hand-offs and fewer bytes).
+    /// 9.8 / 12.5, 16 KiB 14.8 / 13.0 / 14.1, 32 KiB 23.4 / 19.6 / 18.5. 3 ranks on 2
+    /// cores (bound in blocks, so the hand-over's pair shares a CPU; 2026-11-28, 3
+    /// interleaved runs near, one-shot / doubling / two-shot, µs): 8 KiB 5.4–5.6 /
+    /// 6.1–6.3 / 6.1–6.3, 16 KiB 8.8–8.9 / 8.0–8.1 / 8.7–9.6, 32 KiB 14.2–14.7 /
+    /// 12.3–12.4 (one run 15.4) / 12.8–13.0, 64 KiB 20.9–22.1 / 19.6–20.7 / 21.2–21.4,
+    /// 128 KiB 41.6–43.0 / 27.2–30.9 / 29.6–30.1; far earlier that night, 32 KiB 10.7–11.0 /
+    /// 12.8–13.1 (two-shot), 128 KiB 28.9–29.7 / 31.0–31.6; 512 KiB two-shot 93–109,
+    /// doubling 118–123, ring 94–99. Elsewhere doubling loses: 8 ranks on 2 cores (the
+    /// two-shot from 4 KiB, the one-shot below) and wherever ranks have a CPU each (the
+    /// two-shot has its hand-offs and fewer bytes).
     #[test]
     fn recursive_doubling_for_the_middle_sizes_of_two_ranks_to_a_cpu() {
         let m = CostModel::default();
@@ -696,9 +726,23 @@ mod tests {
         ] {
             assert_eq!(pick(four, bytes), algorithm, "4 ranks, {bytes} B");
         }
+        for (bytes, algorithm) in [
+            (4 << 10, Algorithm::OneShot),
+            (16 << 10, Algorithm::Doubling),
+            (32 << 10, Algorithm::Doubling),
+            (128 << 10, Algorithm::Doubling),
+            (1 << 20, Algorithm::Ring),
+        ] {
+            assert_eq!(pick(on_cpus(3, 2), bytes), algorithm, "3 ranks, {bytes} B");
+        }
+        // The hand-over's pairs share a CPU only where the blocks put them together.
+        let six = Crowding { ranks: 6, cpus: 4 };
+        assert!(six.share_cpu(0, 1) && !six.share_cpu(2, 3));
+        assert!(!Crowding { ranks: 3, cpus: 4 }.share_cpu(0, 1));
         for shape in [
             on_cpus(8, 2),
-            on_cpus(3, 2),
+            on_cpus(3, 3),
+            on_cpus(6, 4),
             on_cpus(4, 4),
             on_cpus(2, 2),
             shape(4, 4),
