@@ -341,11 +341,15 @@ impl CostModel {
     }
 
     /// Whether recursive doubling is a candidate for the automatic choice: on one host
-    /// with at most two ranks to a CPU. With more, a round's pair seldom runs at once:
-    /// 8 ranks on 2 cores it was never the fastest (2026-11-28, 4–32 KiB: 17–47 µs
-    /// against the two-shot's 18–34, 256 B–2 KiB: 13–16 against the one-shot's 9–13),
-    /// and the model's direct rounds, fitted at up to two ranks to a CPU, would offer it
-    /// there. Across hosts it has not been measured.
+    /// with at most two ranks to a CPU. With more, the model would offer it from 0 B (8
+    /// ranks on 2 cores: 12.75 µs against the one-shot's 16 at 8 B), where it loses
+    /// small calls: 8 ranks on 2 cores, left free, it was never the fastest (2026-11-28,
+    /// 4–32 KiB: 17–47 µs against the two-shot's 18–34, 256 B–2 KiB: 13–16 against the
+    /// one-shot's 9–13); bound in blocks (2026-11-29), it is the fastest far from 1 to 32
+    /// KiB (8 KiB 24–27 µs, two-shot 35–41, one-shot 49–57) but not near (8 KiB 23, the
+    /// two-shot 20; 512 B 15 against the one-shot's 9–11). Offering it there needs the
+    /// crowded model refitted to ranks bound in blocks (docs/src/benchmarks-mpi.md, the
+    /// night of 2026-11-28 at b94b50e). Across hosts it has not been measured.
     pub fn doubling_pays(shape: Shape) -> bool {
         shape.hosts <= 1 && shape.crowding.queue() <= 2.0
     }
