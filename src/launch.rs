@@ -120,17 +120,10 @@ impl CpuBind {
         }
         Ok(Some(
             (0..nranks)
-                .map(|r| cpus[cpu_in_blocks(r, nranks, cpus.len())])
+                .map(|r| cpus[crate::topo::cpu_in_blocks(r, nranks, cpus.len())])
                 .collect(),
         ))
     }
-}
-
-/// The CPU (an index among `cpus`) that [`CpuBind::Auto`] gives rank `rank` of `ranks`:
-/// `⌊rank·cpus/max(ranks, cpus)⌋`, one CPU each, or blocks of consecutive ranks where
-/// they outnumber the CPUs (Slurm's block distribution).
-pub fn cpu_in_blocks(rank: usize, ranks: usize, cpus: usize) -> usize {
-    rank * cpus / ranks.max(cpus).max(1)
 }
 
 /// Makes `cmd`'s process run only on `cpu` (set in the child before it executes the

@@ -177,9 +177,9 @@ impl Crowding {
 
     /// Whether local ranks `a` and `b` run on one CPU: ranks that outnumber the CPUs,
     /// bound in blocks of consecutive ranks as `ferrorun` and the perf tools bind them
-    /// ([`crate::launch::cpu_in_blocks`]).
+    /// ([`crate::topo::cpu_in_blocks`]).
     pub fn share_cpu(&self, a: usize, b: usize) -> bool {
-        use crate::launch::cpu_in_blocks;
+        use crate::topo::cpu_in_blocks;
         self.ranks > self.cpus
             && cpu_in_blocks(a, self.ranks, self.cpus) == cpu_in_blocks(b, self.ranks, self.cpus)
     }

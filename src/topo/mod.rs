@@ -105,6 +105,15 @@ pub fn available_cpus() -> Result<Vec<usize>> {
         .collect())
 }
 
+/// The CPU (an index among `cpus`) of local rank `rank` of `ranks` placed in blocks:
+/// `⌊rank·cpus/max(ranks, cpus)⌋`, one CPU each, or blocks of consecutive ranks where
+/// they outnumber the CPUs (Slurm's block distribution). `ferrorun` and the perf tools
+/// bind ranks so (`launch::CpuBind::Auto`), and the cost model prices ranks that share a
+/// CPU by it.
+pub fn cpu_in_blocks(rank: usize, ranks: usize, cpus: usize) -> usize {
+    rank * cpus / ranks.max(cpus).max(1)
+}
+
 /// Parses a sysfs CPU list (`0-3,8,10-11`).
 pub fn parse_cpu_list(text: &str) -> Vec<usize> {
     let mut out = Vec::new();
