@@ -27,10 +27,15 @@
 //!
 //! Where ranks outnumber the CPUs of their machine (`q` ranks per CPU), a hand-off waits
 //! for the turns of the ranks that share the CPU of the rank it waits on: each step of
-//! the ring or the tree costs `q·α`, and each round of a direct algorithm, which waits
-//! on every peer, `q²·α` (fitted on 2 cores: a two-shot round cost 3.5 µs more than a
-//! one-shot's on 3 ranks, 6 on 4 and 17–20 on 8, and a ring step 3 µs on 4 ranks and
-//! 6–8 on 8, against α = 1 µs; [`Crowding::queue`]).
+//! the ring or the tree costs `q·α`; the one-shot's round, where each of a CPU's ranks
+//! runs once to post and once more to fold, `(2q − 1)·α`, and its folds `(q + 1)/2`
+//! times the bytes (the CPU folds for its ranks in turn); each round of the two-shot,
+//! which also waits on every peer's fold, `q²·α`, and beyond two ranks to a CPU `q/2`
+//! times the bytes ([`Crowding::round_bytes`]). Fitted on 2 cores with 3, 4 and 8 ranks
+//! (2026-11-26 to 11-29): the one-shot's 8-byte call took 2.0, 3.0 and 8.4–11.4 µs, a
+//! two-shot round 3.5 µs more than a one-shot's on 3 ranks, 6 on 4 and 17–20 on 8
+//! (ranks left free), a ring step 3 µs on 4 ranks and 6–8 on 8, against α = 1 µs
+//! ([`Crowding::queue`]).
 //!
 //! The ring wins on bandwidth, the tree on latency once there are several hosts; the
 //! crossover is where the two lines meet ([`CostModel::crossover`]).
@@ -173,6 +178,17 @@ impl Crowding {
         } else {
             self.ranks as f64 / self.cpus.max(1) as f64
         }
+    }
+
+    /// How much dearer a CPU makes the bytes of a two-shot round or a doubling round
+    /// across CPUs: 1 up to two ranks to a CPU, where one rank's copies overlap the
+    /// other's wait (the link costs were fitted there), `q/2` beyond, where the copies
+    /// of the CPU's `q` ranks queue. Measured on 2 cores, 8 ranks bound in blocks
+    /// (2026-11-29, near, 8–128 KiB): the two-shot 0.49 µs per KiB and doubling 0.82,
+    /// where the unscaled terms give 0.27 and 0.46. The ring, which moves a slice at a
+    /// time while other ranks run, is not scaled.
+    pub fn round_bytes(&self) -> f64 {
+        (self.queue() / 2.0).max(1.0)
     }
 
     /// Whether local ranks `a` and `b` run on one CPU: ranks that outnumber the CPUs,
@@ -340,18 +356,15 @@ impl CostModel {
         levels * self.net.alpha + chain * self.local(protocol).alpha
     }
 
-    /// Whether recursive doubling is a candidate for the automatic choice: on one host
-    /// with at most two ranks to a CPU. With more, the model would offer it from 0 B (8
-    /// ranks on 2 cores: 12.75 µs against the one-shot's 16 at 8 B), where it loses
-    /// small calls: 8 ranks on 2 cores, left free, it was never the fastest (2026-11-28,
-    /// 4–32 KiB: 17–47 µs against the two-shot's 18–34, 256 B–2 KiB: 13–16 against the
-    /// one-shot's 9–13); bound in blocks (2026-11-29), it is the fastest far from 1 to 32
-    /// KiB (8 KiB 24–27 µs, two-shot 35–41, one-shot 49–57) but not near (8 KiB 23, the
-    /// two-shot 20; 512 B 15 against the one-shot's 9–11). Offering it there needs the
-    /// crowded model refitted to ranks bound in blocks (docs/src/benchmarks-mpi.md, the
-    /// night of 2026-11-28 at b94b50e). Across hosts it has not been measured.
+    /// Whether recursive doubling is a candidate for the automatic choice: on one host.
+    /// Across hosts it has not been measured. Where ranks have a CPU each the model never
+    /// picks it (the two-shot has as many hand-offs and fewer bytes); where they share
+    /// CPUs, bound in blocks, it takes the middle sizes: 3 and 4 ranks on 2 cores
+    /// (2026-11-28) and 8 (2026-11-29: far, the fastest from 1 to 32 KiB, 8 KiB 24–27 µs
+    /// against the two-shot's 35–41 and the one-shot's 49–57; near, within 15 % of the
+    /// two-shot from 2 to 32 KiB and ahead of Intel MPI by 1.2–1.5×).
     pub fn doubling_pays(shape: Shape) -> bool {
-        shape.hosts <= 1 && shape.crowding.queue() <= 2.0
+        shape.hosts <= 1
     }
 
     /// Predicted seconds for an all-reduce of `bytes` with `choice`.
@@ -367,19 +380,24 @@ impl CostModel {
         // time lost; when ranks outnumber CPUs, the CPUs are what is short, and other
         // ranks run meanwhile: only the running share of the fill is paid.
         let fill = shape.crowding.running_share();
-        // A hand-off to a rank that shares its CPU with others waits for their turns: a
-        // step of a chain (ring, tree) waits on one peer, `q` turns; a direct round waits
-        // on every peer, each of which waited on its own, `q²` ([`Crowding::queue`]).
+        // A hand-off to a rank that shares its CPU with others waits for their turns
+        // ([`Crowding::queue`], `q` ranks to a CPU): a step of a chain (ring, tree) waits
+        // on one peer, `q` turns; the one-shot's round waits on every peer, and each of
+        // a CPU's `q` ranks runs once to post and once more to fold, `2q − 1` turns; the
+        // two-shot's rounds wait, besides, on every peer's fold, `q²` each.
         let q = shape.crowding.queue();
         let (step, round) = (q, q * q);
+        let round_bytes = shape.crowding.round_bytes();
         match choice.algorithm {
             Algorithm::OneShot => {
-                round * pace.alpha + n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta
+                // A CPU folds the n − 1 buffers of each of its ranks in turn, the k-th
+                // rank's done after k of them: (q + 1)/2 folds on average.
+                (2.0 * q - 1.0) * pace.alpha
+                    + (q + 1.0) / 2.0 * (n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta)
             }
             Algorithm::TwoShot => {
                 2.0 * round * pace.alpha
-                    + 2.0 * n1 / n * s / pace.beta
-                    + n1 / n * s / self.local.beta
+                    + round_bytes * (2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta)
             }
             Algorithm::Doubling => {
                 // log₂ p rounds on one peer each (p the largest power of two not above
@@ -388,27 +406,38 @@ impl CostModel {
                 // of the one-shot's per byte (it reads the partner's sum from the FIFO
                 // and its own from cache). Both fitted so that the model's crossovers
                 // fall where the measured ones do (4 ranks on 2 cores, 8–64 KiB:
-                // doubling 0.35 µs per KiB, two-shot 0.27; see the tests). Where it is
-                // a candidate: [`CostModel::doubling_pays`].
+                // doubling 0.35 µs per KiB, two-shot 0.27; see the tests). Where the
+                // ranks are bound in blocks, the first rounds pair ranks of one CPU (8
+                // ranks on 2: the first two of three), whose partner's sum is in that
+                // CPU's cache; only the rounds across CPUs queue their bytes
+                // ([`Crowding::round_bytes`]). Where it is a candidate:
+                // [`CostModel::doubling_pays`].
                 let p = 1usize << shape.ranks.ilog2();
-                let rounds = p.ilog2() as f64;
-                let doubling = (rounds * step + 0.75) * pace.alpha
-                    + rounds * s / pace.beta
-                    + rounds * s / (2.0 * self.local.beta);
+                let exchange = s / pace.beta + s / (2.0 * self.local.beta);
+                let doubling = 0.75 * pace.alpha
+                    + (0..p.ilog2())
+                        .map(|k| {
+                            let partner_shares_cpu =
+                                (0..p).all(|r| shape.crowding.share_cpu(r, r ^ (1 << k)));
+                            let bytes = if partner_shares_cpu { 1.0 } else { round_bytes };
+                            step * pace.alpha + bytes * exchange
+                        })
+                        .sum::<f64>();
                 // The pairs beyond the power of two: ranks 2j + 1 hand their inputs to
                 // 2j and get the result back, two hand-offs of the whole buffer and a
                 // fold. Where each pair shares a CPU, a hand-off is a switch between
-                // the two on warm caches: ¾·α, and the bytes at 4 times the link's
-                // bandwidth, both fitted to 3 ranks on 2 cores (2026-11-28; see the
-                // tests): the measured slopes of doubling and the two-shot were equal
-                // there, doubling's intercept lower.
+                // the two on warm caches: one turn, α, and the bytes at 4 times the
+                // link's bandwidth, fitted to 3 ranks on 2 cores (2026-11-28 and 29;
+                // see the tests): the measured slopes of doubling and the two-shot were
+                // equal there, doubling's intercept lower, and the one-shot hands over
+                // to it between 8 and 16 KiB (8 KiB 5.3–5.6 µs against 5.9–6.3).
                 let extra = shape.ranks - p;
                 let pairs_share_cpus =
                     (0..extra).all(|j| shape.crowding.share_cpu(2 * j, 2 * j + 1));
                 let hand_overs = if extra == 0 {
                     0.0
                 } else if pairs_share_cpus {
-                    2.0 * (0.75 * pace.alpha + s / (4.0 * pace.beta))
+                    2.0 * (pace.alpha + s / (4.0 * pace.beta))
                 } else {
                     2.0 * (step * pace.alpha + s / pace.beta) + s / (2.0 * self.local.beta)
                 };
@@ -608,16 +637,20 @@ mod tests {
     }
 
     /// Where ranks outnumber the CPUs, the ring takes over from the two-shot at a
-    /// smaller size: other ranks run while its pipeline fills. Measured on 2 cores
+    /// smaller size: other ranks run while its pipeline fills, and beyond two ranks to a
+    /// CPU the two-shot's whole-buffer rounds queue on it. Measured on 2 cores
     /// (2026-11-25, busbw GB/s, three runs each in the near placement): 4 ranks at 512
-    /// KiB, two-shot 4.1–6.9, ring 6.9–8.7; 1 MiB 3.0–5.6 against 6.6–9.0; 8 ranks at
-    /// 512 KiB 1.5 against 3.0–3.3 (256 KiB even, 128 KiB the two-shot's).
+    /// KiB, two-shot 4.1–6.9, ring 6.9–8.7; 1 MiB 3.0–5.6 against 6.6–9.0. 8 ranks bound
+    /// in blocks (2026-11-29, µs, 2–3 interleaved runs): near, 128 KiB two-shot 78–79
+    /// against the ring's 105, 256 KiB 156–168 against 169–177, 512 KiB 544–592 against
+    /// 235–248; far, 64 KiB 84–98 against 88–116, 128 KiB 126–155 against 120–145, 256
+    /// KiB 218–292 against 175–243.
     #[test]
     fn crowded_cpus_move_the_ring_crossover_down() {
         let m = CostModel::default();
         let is_two_shot = |c: Choice| c.algorithm == Algorithm::TwoShot;
         let direct = [Algorithm::Ring, Algorithm::TwoShot];
-        for ranks in [4, 8] {
+        for (ranks, crowded) in [(4, 128 << 10..=512 << 10), (8, 64 << 10..=256 << 10)] {
             let free = m
                 .crossover_among(shape(ranks, 1), &direct, is_two_shot)
                 .unwrap();
@@ -625,23 +658,26 @@ mod tests {
                 .crossover_among(on_cpus(ranks, 2), &direct, is_two_shot)
                 .unwrap();
             assert!(free > 512 << 10, "{ranks} ranks with a CPU each: {free}");
-            assert!(
-                (128 << 10..=512 << 10).contains(&busy),
-                "{ranks} ranks on 2 CPUs: {busy}"
-            );
+            assert!(crowded.contains(&busy), "{ranks} ranks on 2 CPUs: {busy}");
         }
         // Ranks with a CPU each are not crowded, however many.
         assert_eq!(Crowding { ranks: 8, cpus: 8 }.running_share(), 1.0);
         assert_eq!(Crowding { ranks: 8, cpus: 2 }.running_share(), 0.25);
+        assert_eq!(Crowding { ranks: 4, cpus: 2 }.round_bytes(), 1.0);
+        assert_eq!(Crowding { ranks: 8, cpus: 2 }.round_bytes(), 2.0);
     }
 
-    /// Where ranks outnumber the CPUs, a direct round waits on every peer's turn, so the
-    /// one-shot keeps the small sizes longer and the two-shot the middle ones. Measured
-    /// on 2 cores (2026-11-26, µs per call, two runs each), one-shot against two-shot: 3
-    /// ranks 16 KiB 12.6–14.7 vs 13.3–14.1, 32 KiB 17.8–21.5 vs 15.8–18.2; 4 ranks 8 KiB
-    /// 10.9–15.6 vs 15.0–22.4, 16 KiB 18.2–22.9 vs 18.5–18.8; 8 ranks 8 KiB 35–44 vs
-    /// 46, 16 KiB 58–94 vs 47–51. Two-shot against ring: 8 ranks 128 KiB 128–131 vs
-    /// 178–250, 512 KiB 896–898 vs 421–607.
+    /// Where ranks outnumber the CPUs, a direct round waits on the turns of every
+    /// peer's CPU, so the one-shot keeps the small sizes longer and the two-shot the
+    /// middle ones. Measured on 2 cores, ranks bound in blocks, µs, one-shot against
+    /// two-shot: 3 ranks (2026-11-28, near) 8 KiB 5.4–5.6 vs 6.1–6.3, 32 KiB 14.2–14.7
+    /// vs 12.8–13.0; 4 ranks (2026-11-28) 2 KiB 6.5 vs 8.1, 16 KiB 14.3 vs 13.6; 8
+    /// ranks (2026-11-29) 512 B 9.2–11.4 vs 16.2 near, 8 KiB 22.7–23.2 vs 19.8–20.0 near
+    /// and 49–57 vs 35–41 far. The one-shot's round, 8 B: 2.0–2.1 µs on 3 ranks, 3.0 on
+    /// 4, 8.4 near and 11.1–11.4 far on 8, where `(2q − 1)·α` gives 2, 3 and 7. On 8
+    /// ranks the model hands the one-shot to the two-shot at 9 KB, later than measured
+    /// (about 5 KiB near, below 2 KiB far); with doubling offered, as it is by default,
+    /// doubling takes over from 1.8 KB.
     #[test]
     fn crowded_cpus_keep_the_direct_algorithms_for_their_sizes() {
         let m = CostModel::default();
@@ -657,31 +693,16 @@ mod tests {
             )
             .algorithm
         };
-        for (ranks, one_shot_to, two_shot_to) in [
-            (3, 16 << 10, 256 << 10),
-            (4, 8 << 10, 256 << 10),
-            (8, 8 << 10, 256 << 10),
+        for (ranks, one_shot, two_shot, ring) in [
+            (3, 8 << 10, [32 << 10, 256 << 10], 1 << 20),
+            (4, 2 << 10, [16 << 10, 256 << 10], 1 << 20),
+            (8, 512, [16 << 10, 64 << 10], 256 << 10),
         ] {
-            assert_eq!(
-                pick(ranks, one_shot_to),
-                Algorithm::OneShot,
-                "{ranks} ranks"
-            );
-            assert_eq!(
-                pick(ranks, 4 * one_shot_to),
-                Algorithm::TwoShot,
-                "{ranks} ranks"
-            );
-            assert_eq!(
-                pick(ranks, two_shot_to),
-                Algorithm::TwoShot,
-                "{ranks} ranks"
-            );
-            assert_eq!(
-                pick(ranks, 4 * two_shot_to),
-                Algorithm::Ring,
-                "{ranks} ranks"
-            );
+            assert_eq!(pick(ranks, one_shot), Algorithm::OneShot, "{ranks} ranks");
+            for bytes in two_shot {
+                assert_eq!(pick(ranks, bytes), Algorithm::TwoShot, "{ranks} ranks");
+            }
+            assert_eq!(pick(ranks, ring), Algorithm::Ring, "{ranks} ranks");
         }
         assert_eq!(Crowding { ranks: 8, cpus: 2 }.queue(), 4.0);
         assert_eq!(Crowding { ranks: 2, cpus: 2 }.queue(), 1.0);
@@ -702,11 +723,20 @@ mod tests {
     /// 12.3–12.4 (one run 15.4) / 12.8–13.0, 64 KiB 20.9–22.1 / 19.6–20.7 / 21.2–21.4,
     /// 128 KiB 41.6–43.0 / 27.2–30.9 / 29.6–30.1; far earlier that night, 32 KiB 10.7–11.0 /
     /// 12.8–13.1 (two-shot), 128 KiB 28.9–29.7 / 31.0–31.6; 512 KiB two-shot 93–109,
-    /// doubling 118–123, ring 94–99. Elsewhere doubling loses: 8 ranks on 2 cores (the
-    /// two-shot from 4 KiB, the one-shot below) and wherever ranks have a CPU each (the
-    /// two-shot has its hand-offs and fewer bytes).
+    /// doubling 118–123, ring 94–99. 8 ranks on 2 cores in blocks (2026-11-29, 2–3
+    /// interleaved runs, one-shot / doubling / two-shot / ring / Intel MPI, µs): far, 2
+    /// KiB 23.5–26.9 / 15.9–18.9 / 22.1–22.5 / 44–57 / 20.9–26.2, 8 KiB 48.6–57.0 /
+    /// 23.6–27.4 / 35.2–40.8 / 56–59 / 42.8–47.2, 32 KiB 162–207 / 46.6–47.8 / 62.1–72.8
+    /// / 52–83 / 64.4–68.9, 64 KiB doubling 82–95, two-shot 84–98, ring 88–116, Intel MPI
+    /// 87–91; near, 512 B 9.2–11.4 / 14.8–15.0 / 16.2 / – / 17.4–21.2, 2 KiB 12.5–14.1 /
+    /// 16.3–16.5 / 16.6–16.9 / – / 20.0–21.3, 8 KiB 22.7–23.2 / 23.1 / 19.8–20.0 / – /
+    /// 34.1–34.7, 32 KiB 79–121 / 36.8–37.2 / 30.8–33.2 / – / 51.1–51.7, 64 KiB doubling
+    /// 67–71, two-shot 46–47, ring 86–94, Intel MPI 68–71. Near the two-shot leads from
+    /// 4 to 128 KiB and far doubling: the model gives doubling the sizes between the
+    /// one-shot's and the ring's, which lead Intel MPI in both placements. Wherever ranks
+    /// have a CPU each doubling loses (the two-shot has its hand-offs and fewer bytes).
     #[test]
-    fn recursive_doubling_for_the_middle_sizes_of_two_ranks_to_a_cpu() {
+    fn recursive_doubling_for_the_middle_sizes_of_ranks_that_share_cpus() {
         let m = CostModel::default();
         let protocols = [Protocol::Simple, Protocol::LL];
         let pick = |shape, bytes| {
@@ -739,12 +769,21 @@ mod tests {
         ] {
             assert_eq!(pick(on_cpus(3, 2), bytes), algorithm, "3 ranks, {bytes} B");
         }
+        for (bytes, algorithm) in [
+            (512, Algorithm::OneShot),
+            (2 << 10, Algorithm::Doubling),
+            (8 << 10, Algorithm::Doubling),
+            (64 << 10, Algorithm::Doubling),
+            (128 << 10, Algorithm::Ring),
+        ] {
+            assert_eq!(pick(on_cpus(8, 2), bytes), algorithm, "8 ranks, {bytes} B");
+        }
         // The hand-over's pairs share a CPU only where the blocks put them together.
         let six = Crowding { ranks: 6, cpus: 4 };
         assert!(six.share_cpu(0, 1) && !six.share_cpu(2, 3));
         assert!(!Crowding { ranks: 3, cpus: 4 }.share_cpu(0, 1));
         for shape in [
-            on_cpus(8, 2),
+            shape(8, 2),
             on_cpus(3, 3),
             on_cpus(6, 4),
             on_cpus(4, 4),

@@ -458,6 +458,16 @@ fn typical_command_lines_work_as_before() {
             && text.contains(" bytes, twoshot below "),
         "{text}"
     );
+    // 8 ranks on 2 CPUs, four to each: doubling, then straight to the ring.
+    let out = run(TUNE, &["predict", "--ranks", "8", "--cpus", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("# all algorithms: oneshot below ")
+            && text.contains(" bytes, doubling below ")
+            && text.contains(" bytes, then ring"),
+        "{text}"
+    );
     // 3 ranks on 2 CPUs: the pair that hands its input over shares a CPU.
     let out = run(TUNE, &["predict", "--ranks", "3", "--cpus", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
