@@ -750,33 +750,45 @@ mod tests {
             .algorithm
         };
         let four = on_cpus(4, 2);
-        for (bytes, algorithm) in [
-            (256, Algorithm::OneShot),
-            (2 << 10, Algorithm::OneShot),
-            (4 << 10, Algorithm::Doubling),
-            (16 << 10, Algorithm::Doubling),
-            (32 << 10, Algorithm::Doubling),
-            (64 << 10, Algorithm::TwoShot),
-        ] {
-            assert_eq!(pick(four, bytes), algorithm, "4 ranks, {bytes} B");
-        }
-        for (bytes, algorithm) in [
-            (4 << 10, Algorithm::OneShot),
-            (16 << 10, Algorithm::Doubling),
-            (32 << 10, Algorithm::Doubling),
-            (128 << 10, Algorithm::Doubling),
-            (1 << 20, Algorithm::Ring),
-        ] {
-            assert_eq!(pick(on_cpus(3, 2), bytes), algorithm, "3 ranks, {bytes} B");
-        }
-        for (bytes, algorithm) in [
-            (512, Algorithm::OneShot),
-            (2 << 10, Algorithm::Doubling),
-            (8 << 10, Algorithm::Doubling),
-            (64 << 10, Algorithm::Doubling),
-            (128 << 10, Algorithm::Ring),
-        ] {
-            assert_eq!(pick(on_cpus(8, 2), bytes), algorithm, "8 ranks, {bytes} B");
+        use Algorithm::{Doubling, OneShot, Ring, TwoShot};
+        let picks: [(usize, &[(usize, Algorithm)]); 3] = [
+            (
+                4,
+                &[
+                    (256, OneShot),
+                    (2 << 10, OneShot),
+                    (4 << 10, Doubling),
+                    (16 << 10, Doubling),
+                    (32 << 10, Doubling),
+                    (64 << 10, TwoShot),
+                ],
+            ),
+            (
+                3,
+                &[
+                    (4 << 10, OneShot),
+                    (16 << 10, Doubling),
+                    (32 << 10, Doubling),
+                    (128 << 10, Doubling),
+                    (1 << 20, Ring),
+                ],
+            ),
+            (
+                8,
+                &[
+                    (512, OneShot),
+                    (2 << 10, Doubling),
+                    (8 << 10, Doubling),
+                    (64 << 10, Doubling),
+                    (128 << 10, Ring),
+                ],
+            ),
+        ];
+        for (ranks, sizes) in picks {
+            for &(bytes, algorithm) in sizes {
+                let picked = pick(on_cpus(ranks, 2), bytes);
+                assert_eq!(picked, algorithm, "{ranks} ranks, {bytes} B");
+            }
         }
         // The hand-over's pairs share a CPU only where the blocks put them together.
         let six = Crowding { ranks: 6, cpus: 4 };

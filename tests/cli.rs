@@ -447,37 +447,28 @@ fn typical_command_lines_work_as_before() {
         "{text}"
     );
     assert!(text.contains("# protocol:"), "{text}");
-    // With two ranks to a CPU, recursive doubling takes the middle sizes.
-    let out = run(TUNE, &["predict", "--ranks", "4", "--cpus", "2"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    assert!(text.contains("4 ranks, 1 hosts (2 CPUs a host)"), "{text}");
-    assert!(
-        text.contains("# all algorithms: oneshot below ")
-            && text.contains(" bytes, doubling below ")
-            && text.contains(" bytes, twoshot below "),
-        "{text}"
-    );
-    // 8 ranks on 2 CPUs, four to each: doubling, then straight to the ring.
-    let out = run(TUNE, &["predict", "--ranks", "8", "--cpus", "2"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    assert!(
-        text.contains("# all algorithms: oneshot below ")
-            && text.contains(" bytes, doubling below ")
-            && text.contains(" bytes, then ring"),
-        "{text}"
-    );
-    // 3 ranks on 2 CPUs: the pair that hands its input over shares a CPU.
-    let out = run(TUNE, &["predict", "--ranks", "3", "--cpus", "2"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    assert!(
-        text.contains("# all algorithms: oneshot below ")
-            && text.contains(" bytes, doubling below ")
-            && text.contains(" bytes, then ring"),
-        "{text}"
-    );
+    // Ranks that share CPUs: recursive doubling takes the middle sizes, then the
+    // two-shot (4 ranks, two to a CPU) or the ring (3 ranks, where the pair that hands
+    // its input over shares a CPU; 8 ranks, four to a CPU).
+    for (ranks, then) in [
+        ("4", " bytes, twoshot below "),
+        ("3", " bytes, then ring"),
+        ("8", " bytes, then ring"),
+    ] {
+        let out = run(TUNE, &["predict", "--ranks", ranks, "--cpus", "2"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        assert!(
+            text.contains(&format!("{ranks} ranks, 1 hosts (2 CPUs a host)")),
+            "{text}"
+        );
+        assert!(
+            text.contains("# all algorithms: oneshot below ")
+                && text.contains(" bytes, doubling below ")
+                && text.contains(then),
+            "{text}"
+        );
+    }
 
     // ferroccl-topo, as text and as JSON.
     let out = run(
