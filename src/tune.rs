@@ -60,7 +60,7 @@ pub mod stores;
 
 use crate::error::{Error, Result};
 use crate::plan::Protocol;
-use crate::plan::{Algorithm, Collective};
+use crate::plan::{Algorithm, Collective, doubling_rank};
 
 /// Bytes a ring hop hands on at a time (the default FIFO slot): a block goes round the
 /// ring slice by slice, so the pipeline takes `2n−3` slices (or blocks, if smaller) to
@@ -386,17 +386,17 @@ impl CostModel {
         // a CPU's `q` ranks runs once to post and once more to fold, `2q − 1` turns; the
         // two-shot's rounds wait, besides, on every peer's fold, `q²` each.
         let q = shape.crowding.queue();
-        let (step, round) = (q, q * q);
+        let (step, one_shot_round, two_shot_round) = (q, 2.0 * q - 1.0, q * q);
         let round_bytes = shape.crowding.round_bytes();
         match choice.algorithm {
             Algorithm::OneShot => {
                 // A CPU folds the n − 1 buffers of each of its ranks in turn, the k-th
                 // rank's done after k of them: (q + 1)/2 folds on average.
-                (2.0 * q - 1.0) * pace.alpha
+                one_shot_round * pace.alpha
                     + (q + 1.0) / 2.0 * (n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta)
             }
             Algorithm::TwoShot => {
-                2.0 * round * pace.alpha
+                2.0 * two_shot_round * pace.alpha
                     + round_bytes * (2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta)
             }
             Algorithm::Doubling => {
@@ -414,11 +414,13 @@ impl CostModel {
                 // [`CostModel::doubling_pays`].
                 let p = 1usize << shape.ranks.ilog2();
                 let exchange = s / pace.beta + s / (2.0 * self.local.beta);
+                // Rounds pair the doubling ranks by their number among the p.
+                let rank = |v| doubling_rank(v, shape.ranks);
                 let doubling = 0.75 * pace.alpha
                     + (0..p.ilog2())
                         .map(|k| {
-                            let partner_shares_cpu =
-                                (0..p).all(|r| shape.crowding.share_cpu(r, r ^ (1 << k)));
+                            let partner_shares_cpu = (0..p)
+                                .all(|v| shape.crowding.share_cpu(rank(v), rank(v ^ (1 << k))));
                             let bytes = if partner_shares_cpu { 1.0 } else { round_bytes };
                             step * pace.alpha + bytes * exchange
                         })

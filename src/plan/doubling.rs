@@ -14,6 +14,14 @@
 
 use super::*;
 
+/// The rank that is number `v` among the ranks that double, of `n` in all: the largest
+/// power of two `p` not above `n` double, and of the first `2·(n − p)` ranks, which pair
+/// up first, only the even ones.
+pub fn doubling_rank(v: usize, n: usize) -> usize {
+    let extra = n - (1 << n.ilog2());
+    if v < extra { 2 * v } else { v + extra }
+}
+
 impl Builder<'_> {
     /// Recursive-doubling all-reduce, chunk by chunk of each channel's share: the whole
     /// exchange for one chunk before the next, the partial results kept in the output.
@@ -22,9 +30,8 @@ impl Builder<'_> {
         // `p` ranks double; the `extra` odd ranks below `2·extra` sit it out.
         let p = 1usize << n.ilog2();
         let extra = n - p;
-        // A doubling rank's place among the `p`, and back.
+        // A doubling rank's place among the `p`.
         let virtual_of = |r: usize| if r < 2 * extra { r / 2 } else { r - extra };
-        let real_of = |v: usize| if v < extra { 2 * v } else { v + extra };
         self.lanes_by_chunk(|_, _, off, l, steps| {
             let input = Region::input(off, l);
             let output = Region::output(off, l);
@@ -62,7 +69,7 @@ impl Builder<'_> {
             let v = virtual_of(me);
             let rounds = p.ilog2();
             for k in 0..rounds {
-                let peer = real_of(v ^ (1 << k));
+                let peer = doubling_rank(v ^ (1 << k), n);
                 steps.push(Step::Send {
                     to: peer,
                     src: partial,

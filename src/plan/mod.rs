@@ -40,6 +40,7 @@ mod ring;
 pub mod sim;
 pub mod tree;
 mod tree_plans;
+pub use doubling::doubling_rank;
 pub use protocol::Protocol;
 
 use std::fmt;

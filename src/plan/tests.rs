@@ -528,6 +528,15 @@ fn direct_algorithms_send_what_the_model_says() {
         let p = plan(Collective::AllReduce, count, r, n, &options).unwrap();
         assert_eq!(p.elems_sent(), rounds * count, "doubling rank {r}");
     }
+    // The ranks that double: the even ones of the pairs, then the rest.
+    let doubling = |n: usize| {
+        (0..1 << n.ilog2())
+            .map(|v| doubling_rank(v, n))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(doubling(5), [0, 2, 3, 4]);
+    assert_eq!(doubling(7), [0, 2, 4, 6]);
+    assert_eq!(doubling(8), [0, 1, 2, 3, 4, 5, 6, 7]);
     for n in [2, 4, 8] {
         let options = PlanOptions::with_channels(n, 1, 64).with_algorithm(Algorithm::Doubling);
         for r in 0..n {
