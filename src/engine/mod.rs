@@ -764,7 +764,7 @@ unsafe fn move_slice(
             Step::RecvReduceSend { src, .. } => {
                 let kernel = operand_kernel(op, &src);
                 if stream_slot {
-                    kernel.reduce_streaming(&[o], x, addr(ops, &src, skip), n, false);
+                    kernel.reduce_streaming(&[o], None, x, addr(ops, &src, skip), n, false);
                 } else {
                     kernel.reduce(o, x, addr(ops, &src, skip), n);
                 }
@@ -788,14 +788,14 @@ unsafe fn move_slice(
                         s
                     };
                     if stream(&dst) {
-                        op.plain.reduce_streaming(&[d], s, x, n, post);
+                        op.plain.reduce_streaming(&[d], None, s, x, n, post);
                         return;
                     }
                     op.plain.reduce(d, s, x, n);
                 } else {
                     let kernel = operand_kernel(op, &src);
                     if stream(&dst) {
-                        kernel.reduce_streaming(&[d], x, s, n, post);
+                        kernel.reduce_streaming(&[d], None, x, s, n, post);
                         return;
                     }
                     kernel.reduce(d, x, s, n);
@@ -809,14 +809,12 @@ unsafe fn move_slice(
                 let kernel = operand_kernel(op, &src);
                 if stream(&dst) && stream_slot && !o.is_null() {
                     // Both past the caches, from one reduction.
-                    kernel.reduce_streaming(&[d, o], x, addr(ops, &src, skip), n, true);
+                    kernel.reduce_streaming(&[d, o], None, x, addr(ops, &src, skip), n, true);
                 } else if stream(&dst) && !o.is_null() {
-                    // Reduce into the outgoing slot (cached), then stream it out.
-                    kernel.reduce(o, x, addr(ops, &src, skip), n);
-                    k.post(o, n);
-                    stream_copy(d, o, bytes);
+                    // Streamed to the output, into the outgoing slot with plain stores.
+                    kernel.reduce_streaming(&[d], Some(o), x, addr(ops, &src, skip), n, true);
                 } else if stream(&dst) {
-                    kernel.reduce_streaming(&[d], x, addr(ops, &src, skip), n, true);
+                    kernel.reduce_streaming(&[d], None, x, addr(ops, &src, skip), n, true);
                 } else {
                     kernel.reduce(d, x, addr(ops, &src, skip), n);
                     k.post(d, n);

@@ -20,7 +20,7 @@ pub(super) fn with_isa<R>(isa: VectorIsa, f: impl FnOnce() -> R) -> R {
 }
 
 /// Runs `f` on every build of the loops the CPU can run (AVX-512, AVX2, portable).
-fn on_every_path(f: impl Fn()) {
+pub(super) fn on_every_path(f: impl Fn()) {
     for isa in VectorIsa::ALL.into_iter().rev() {
         if isa <= cpu_vector_isa() {
             with_isa(isa, &f);
