@@ -797,7 +797,8 @@ impl Communicator {
         };
         let total: usize = raws.iter().zip(per_op).map(words).sum();
         let (stores, sample) = self.stores_for(&mut st.store_trial, raws);
-        let far = st.conns.any_receiver_finds_far();
+        // `FERROCCL_SLOT_STORES=streaming` streams results too, wherever the receivers are.
+        let far = self.config.slot_stores == SlotStores::Auto && st.conns.any_receiver_finds_far();
         if st.scratch.len() < total {
             st.scratch = vec![0u64; total];
         }
@@ -932,8 +933,8 @@ impl Communicator {
 
     /// The buffers and kernels of one operation of a host call (`scratch`: its part of
     /// the call's scratch memory, or null; `stores`: whether the call may write past
-    /// the caches what it would; `far`: whether a receiver finds this rank's slots far,
-    /// when its large results stay in plain stores).
+    /// the caches what it would; `far`: whether a receiver finds this rank's slots far
+    /// and the trial decides, when its large results stay in plain stores).
     ///
     /// Large results and far slots both written past the caches were the slowest
     /// choice measured with the vCPUs far apart, on two hosts: 2 ranks, 8 / 32 / 128
