@@ -797,8 +797,6 @@ impl Communicator {
         };
         let total: usize = raws.iter().zip(per_op).map(words).sum();
         let (stores, sample) = self.stores_for(&mut st.store_trial, raws);
-        // `FERROCCL_SLOT_STORES=streaming` streams results too, wherever the receivers are.
-        let far = self.config.slot_stores == SlotStores::Auto && st.conns.any_receiver_finds_far();
         if st.scratch.len() < total {
             st.scratch = vec![0u64; total];
         }
@@ -811,7 +809,7 @@ impl Communicator {
                     // SAFETY: the buffer holds `total` words, the sum of every operation's.
                     next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
                 }
-                self.op_buffers(raw, choice, scratch, stores, far)
+                self.op_buffers(raw, choice, scratch, stores)
             };
         let one_op: [OpBuffers; 1];
         let many_ops: Vec<OpBuffers>;
@@ -933,16 +931,7 @@ impl Communicator {
 
     /// The buffers and kernels of one operation of a host call (`scratch`: its part of
     /// the call's scratch memory, or null; `stores`: whether the call may write past
-    /// the caches what it would; `far`: whether a receiver finds this rank's slots far
-    /// and the trial decides, when its large results stay in plain stores).
-    ///
-    /// Large results and far slots both written past the caches were the slowest
-    /// choice measured with the vCPUs far apart, on two hosts: 2 ranks, 8 / 32 / 128
-    /// MiB out of place, slots streamed, 12.7 / 8.3 / 7.3 GB/s with plain result stores
-    /// against 6.1 / 6.4 / 5.7 with streamed ones (2026-11-29; 4 ranks within the
-    /// noise either way); plain 15.3–18.2 against 9.0–9.1 GB/s at 8 MiB, 9.3–9.9
-    /// against 7.9–8.4 at 128 MiB (2026-11-28). Near, streamed results are the faster
-    /// ([`engine::STREAMING_FROM`]), and the trial chooses.
+    /// the caches what it would).
     #[inline]
     fn op_buffers(
         &self,
@@ -950,7 +939,6 @@ impl Communicator {
         choice: Choice,
         scratch: *mut u8,
         stores: Stores,
-        far: bool,
     ) -> Result<OpBuffers> {
         let (reducing, op) = raw.reduction();
         let plain = match op {
@@ -966,7 +954,7 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
-            streaming: streaming && stores == Stores::NonTemporal && !far,
+            streaming: streaming && stores == Stores::NonTemporal,
             may_stream_slots: stores == Stores::NonTemporal,
         })
     }

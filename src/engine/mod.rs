@@ -63,9 +63,7 @@ pub struct OpBuffers {
     /// Whether results written to the output buffer go past the caches
     /// ([`crate::reduce::stream`]): for outputs of at least [`STREAMING_FROM`] bytes,
     /// which the caches could not keep anyway, when the trial of the call's size chose
-    /// non-temporal stores ([`crate::tune::stores`]) and no receiver finds this rank's
-    /// slots far ([`Connections::any_receiver_finds_far`]; far, the slots go past the
-    /// caches and the results stay in plain stores, which measured faster).
+    /// non-temporal stores ([`crate::tune::stores`]).
     pub streaming: bool,
     /// Whether slots towards a far peer may be written past the caches
     /// ([`Connections::streams_slots_to`]): the trial of the call's size chose

@@ -35,9 +35,13 @@ use super::Kernel;
 /// kernel is a small part of its time.
 const TILE_BYTES: usize = 1024;
 
-/// A tile, aligned for the widest vector stores.
+/// A tile after the line carried from the tile before it, aligned for the widest
+/// vector stores.
 #[repr(C, align(64))]
-struct Tile([u8; TILE_BYTES]);
+struct Tile([u8; LINE + TILE_BYTES]);
+
+/// Most destinations a reduction streams to (an output and a slot).
+const MAX_STREAMED: usize = 2;
 
 /// Bytes of a cache line, the unit that streaming stores fill whole.
 const LINE: usize = 64;
@@ -114,39 +118,54 @@ impl Kernel {
         count: usize,
         post: bool,
     ) {
+        assert!(
+            dsts.len() <= MAX_STREAMED,
+            "at most {MAX_STREAMED} streamed destinations"
+        );
         let elem = self.dtype().size();
         let per_tile = TILE_BYTES / elem;
-        // Tiles end on lines of the first destination, so that its tiles are whole
-        // lines (a destination whose elements cannot meet a line keeps tiles from 0).
-        let lead = dsts.first().map_or(0, |d| d.align_offset(LINE));
-        let mut n = match lead % elem {
-            0 if lead > 0 => lead / elem,
-            _ => per_tile,
-        };
-        let mut tile = Tile([0; TILE_BYTES]);
-        let t = tile.0.as_mut_ptr();
+        // Each destination is streamed in whole lines of its own (destinations need not
+        // share a line offset with each other or with the tile): what a tile leaves of
+        // a destination's line waits for the next tile, which finds the tile's last line
+        // carried in front of it.
+        let mut buf = Tile([0; LINE + TILE_BYTES]);
+        let carry = buf.0.as_mut_ptr();
+        // SAFETY: the buffer holds LINE + TILE_BYTES bytes.
+        let t = unsafe { carry.add(LINE) };
+        let mut written = [0usize; MAX_STREAMED];
         let mut done = 0;
         while done < count {
-            n = n.min(count - done);
-            let at = done * elem;
+            let n = per_tile.min(count - done);
+            let (at, end) = (done * elem, (done + n) * elem);
+            let last = done + n == count;
             // SAFETY (block): the tile holds `n` elements; `a`, `b`, each of `dsts` and
-            // `cached` hold `count` (the caller's contract), and the tile overlaps none
-            // of them, so a destination may equal `a` or `b`: each piece of them is
-            // read before it is written.
+            // `cached` hold `count` (the caller's contract), and the buffer overlaps none
+            // of them. A destination is written only up to what has been read of `a`
+            // and `b`, so it may equal either. What is left of a destination's line
+            // (`at - written[k]` < LINE bytes) is the carried line's end; a tile before
+            // the last is full, at least a line.
             unsafe {
                 self.reduce(t, a.add(at), b.add(at), n);
                 if post {
                     self.post(t, n);
                 }
-                for &dst in dsts {
-                    stream_unfenced(dst.add(at), t, n * elem);
+                for (k, &dst) in dsts.iter().enumerate() {
+                    let upto = match last {
+                        true => end,
+                        false => (dst.add(end) as usize & !(LINE - 1)) - dst as usize,
+                    };
+                    let from = t.sub(at - written[k]);
+                    stream_unfenced(dst.add(written[k]), from, upto - written[k]);
+                    written[k] = upto;
                 }
                 if let Some(dst) = cached {
                     std::ptr::copy_nonoverlapping(t, dst.add(at), n * elem);
                 }
+                if !last {
+                    std::ptr::copy_nonoverlapping(t.add(end - at - LINE), carry, LINE);
+                }
             }
             done += n;
-            n = per_tile;
         }
         fence();
     }
@@ -263,8 +282,8 @@ mod tests {
     }
 
     /// Avg of `f32` over 3 ranks (so the post-operation runs), to two streamed
-    /// destinations and a cached one, each starting anywhere in a line (also where no
-    /// element meets a line), counts around a tile: every destination gets `reduce` then
+    /// destinations and a cached one, each starting anywhere in a line and elsewhere
+    /// than the others (also where no element meets a line), counts around a tile: every destination gets `reduce` then
     /// `post`'s values exactly, and nothing around it changes; in place too.
     #[test]
     fn streamed_reductions_equal_plain_ones_at_every_alignment() {
@@ -277,11 +296,13 @@ mod tests {
             for offset in [0usize, 1, 4, 60] {
                 for count in [0usize, 1, 15, 16, 17, 255, 256, 257, 5000 - 16] {
                     let bytes = count * 4;
-                    // Three destinations in one buffer, `offset` bytes past lines, apart.
+                    // Three destinations in one buffer, apart, each its own bytes past a
+                    // line (the first `offset`).
                     let stride = bytes.next_multiple_of(64) + 128;
                     let mut mem = vec![0u8; 3 * stride + 64];
                     let base = mem.as_mut_ptr().wrapping_add(mem.as_ptr().align_offset(64));
-                    let at = |d: usize| base.wrapping_add(d * stride + offset);
+                    let past = |d: usize| (offset + 20 * d) % 64;
+                    let at = |d: usize| base.wrapping_add(d * stride + past(d));
                     // SAFETY: each destination holds `count` f32 inside `mem`, apart.
                     unsafe {
                         k.reduce_streaming(
@@ -295,14 +316,15 @@ mod tests {
                     };
                     let lead = base as usize - mem.as_ptr() as usize;
                     for d in 0..3 {
-                        let start = lead + d * stride + offset;
+                        let start = lead + d * stride + past(d);
                         let got = &mem[start..start + bytes];
                         let ok = got
                             .chunks_exact(4)
                             .enumerate()
                             .all(|(i, v)| f32::from_ne_bytes(v.try_into().unwrap()) == want(i));
                         assert!(ok, "destination {d}, offset {offset}, count {count}");
-                        let after = &mem[start + bytes..(start + stride).min(mem.len())];
+                        let next = lead + (d + 1) * stride + past(d + 1);
+                        let after = &mem[start + bytes..next.min(mem.len())];
                         assert!(after.iter().all(|&x| x == 0), "past {d}, {offset}, {count}");
                     }
                     assert!(

@@ -705,20 +705,6 @@ impl Connections {
         }
     }
 
-    /// Whether a receiver on this host finds this rank's slots coming from a far cache
-    /// ([`fifo::SendEnd::receiver_finds_far`], any protocol): the engine then keeps its
-    /// large results in plain stores ([`crate::engine::OpBuffers::streaming`]).
-    pub fn any_receiver_finds_far(&self) -> bool {
-        self.sends.iter().any(|per_channel| {
-            per_channel.iter().enumerate().any(|(ci, per_peer)| {
-                per_peer.iter().enumerate().any(|(peer, end)| {
-                    self.links[ci].get(peer).is_some_and(Option::is_none)
-                        && end.as_ref().is_some_and(SendEnd::receiver_finds_far)
-                })
-            })
-        })
-    }
-
     /// This rank's own bell (to sleep on).
     pub fn bell(&self) -> &Bell {
         &self.bell
