@@ -23,9 +23,15 @@
 //! the engine's copies, ms per call): the reduction streamed to both destinations
 //! straight from the registers 2.59–2.64; through a tile with 64-byte stores, a tile of
 //! 256 B–1 KiB 2.69–2.75, 4 KiB 3.04, 8 KiB 3.89; 16-byte stores from a 512 B tile
-//! 3.52–3.67, from an 8 KiB one 5.28; a fence after every tile, 7.3. The engine had the
-//! last but one (8 KiB, 16-byte stores, a fence per tile and destination): 2 ranks
-//! reached 7.3–8.7 GB/s at 32 MiB where the model of the same copies reached 12.6–13.
+//! 3.52–3.67, from an 8 KiB one 5.28; a fence after every tile, 7.3. The engine had 8
+//! KiB tiles, 16-byte stores and a fence per tile and destination: 2 ranks reached
+//! 7.3–8.7 GB/s at 32 MiB where the model of the same copies reached 12.6–13.
+//!
+//! Each destination is streamed in whole lines of its own. When the tiles ended on the
+//! output's lines, a page-aligned slot beside an output that starts 16 bytes into a
+//! line (any `malloc`ed buffer) got a partial line in plain stores at each end of every
+//! tile, lines that crawl to a far peer: 2 ranks far, 8 / 32 / 128 MiB, 6.9–7.4 /
+//! 6.3–7.1 / 6.1–6.2 GB/s then, 12.0–12.4 / 8.5–8.6 / 7.7–7.9 with whole lines.
 
 use super::Kernel;
 
@@ -103,9 +109,9 @@ impl Kernel {
     /// result streamed past the caches to every one of `dsts` (see the module
     /// documentation) and, when `cached` is given, stored there with plain stores too:
     /// a result bound for both an output and a peer's slot is computed once. Measured
-    /// in the C model of the module documentation, the vCPUs near and the slots cached:
-    /// 128 MiB in 12.2–12.4 ms with the result reduced into the slot and streamed from
-    /// it to the output in a second pass, 13.2–13.3 ms.
+    /// in the C model of the module documentation, the vCPUs near and the slots cached,
+    /// 128 MiB: 12.2–12.4 ms computed once, 13.2–13.3 ms reduced into the slot and
+    /// streamed from it to the output in a second pass.
     ///
     /// # Safety
     /// As [`Kernel::reduce`], for each of `dsts` and `cached`; no two of them overlap.
