@@ -807,14 +807,16 @@ unsafe fn move_slice(
             Step::RecvReduceCopySend { src, dst, .. } => {
                 let d = addr(ops, &dst, skip);
                 let kernel = operand_kernel(op, &src);
-                if stream(&dst) && stream_slot && !o.is_null() {
-                    // Both past the caches, from one reduction.
-                    kernel.reduce_streaming(&[d, o], None, x, addr(ops, &src, skip), n, true);
-                } else if stream(&dst) && !o.is_null() {
-                    // Streamed to the output, into the outgoing slot with plain stores.
-                    kernel.reduce_streaming(&[d], Some(o), x, addr(ops, &src, skip), n, true);
-                } else if stream(&dst) {
-                    kernel.reduce_streaming(&[d], None, x, addr(ops, &src, skip), n, true);
+                if stream(&dst) {
+                    // One reduction, streamed to the output; the outgoing slot (none
+                    // under single copy) streamed too or written with plain stores.
+                    let streamed = [d, o];
+                    let (dsts, cached) = match (o.is_null(), stream_slot) {
+                        (true, _) => (&streamed[..1], None),
+                        (false, true) => (&streamed[..], None),
+                        (false, false) => (&streamed[..1], Some(o)),
+                    };
+                    kernel.reduce_streaming(dsts, cached, x, addr(ops, &src, skip), n, true);
                 } else {
                     kernel.reduce(d, x, addr(ops, &src, skip), n);
                     k.post(d, n);
