@@ -13,6 +13,7 @@ use super::{
 };
 use crate::error::{CallInfo, Result};
 use crate::plan::{Lane, Plan, Step};
+use crate::transport::fifo::RecvEnd;
 use crate::transport::{Connections, Protocol};
 
 use super::SliceSlots;
@@ -105,13 +106,19 @@ impl OneStep<'_> {
             && to.is_some_and(|p| {
                 conns.streams_slots_to(p, self.op.protocol, self.op.may_stream_slots)
             });
+        // Ranks that outnumber cores yield at once instead (see `Waiting::idle`).
+        let close_looks = if conns.oversubscribed() {
+            0
+        } else {
+            CLOSE_LOOKS
+        };
         let (send, recv) = conns.ends(channel, self.op.protocol, to, from);
         if to.is_some() != send.is_some() || from.is_some() != recv.is_some() {
             return Err(no_connection(step, channel));
         }
         let (mut send, mut recv) = (send, recv);
         let inbound = match recv.as_deref_mut() {
-            Some(r) => match peek_slice(r, bytes) {
+            Some(r) => match peek_close(r, bytes, close_looks) {
                 Some((p, got)) if got == bytes => Some(p),
                 Some((_, got)) => return Err(wrong_slice(step, bytes, got)),
                 None => return Ok(false),
@@ -147,6 +154,24 @@ impl OneStep<'_> {
         }
         Ok(true)
     }
+}
+
+/// Looks a few more times at the FIFO from the peer when the first look finds it empty,
+/// before [`OneStep::try_move`] gives up. A small call waits about one hand-off for its
+/// reply, and these looks cost one load each, where a whole look (the links, the ends,
+/// then the FIFO) costs tens of nanoseconds; the sooner the reply is seen, the sooner
+/// the next call goes out (2 ranks, 8-byte all-reduce, near CPUs: 0.163 -> 0.144 µs,
+/// medians of 6 interleaved runs, with a floor of 0.049).
+const CLOSE_LOOKS: u32 = 32;
+
+/// [`peek_slice`], looked at up to `looks` more times while it finds nothing.
+fn peek_close(r: &mut RecvEnd, bytes: usize, looks: u32) -> Option<(*const u8, usize)> {
+    peek_slice(r, bytes).or_else(|| {
+        (0..looks).find_map(|_| {
+            std::hint::spin_loop();
+            peek_slice(r, bytes)
+        })
+    })
 }
 
 impl Look for OneStep<'_> {
