@@ -160,8 +160,8 @@ impl OneStep<'_> {
 /// before [`OneStep::try_move`] gives up. A small call waits about one hand-off for its
 /// reply, and these looks cost one load each, where a whole look (the links, the ends,
 /// then the FIFO) costs tens of nanoseconds; the sooner the reply is seen, the sooner
-/// the next call goes out (2 ranks, 8-byte all-reduce, near CPUs: 0.163 -> 0.144 µs,
-/// medians of 6 interleaved runs, with a floor of 0.049).
+/// the next call goes out (2 ranks, 8-byte all-reduce, near CPUs: 0.160 -> 0.144 µs,
+/// medians of 6 interleaved runs, with floors of 0.045-0.050).
 const CLOSE_LOOKS: u32 = 32;
 
 /// [`peek_slice`], looked at up to `looks` more times while it finds nothing.
