@@ -284,3 +284,76 @@ fn deterministic_mode_is_a_shared_setting_and_reported() {
             .contains("FERROCCL_DETERMINISTIC=1")
     );
 }
+
+/// The longest step of `plan`, in elements.
+fn longest_step(plan: &ferroccl::plan::Plan) -> usize {
+    plan.lanes
+        .iter()
+        .flat_map(|lane| lane.steps.iter().map(|s| s.len()))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Ranks that outnumber the CPUs they may use (here: two thread ranks confined to one
+/// CPU) get short FIFOs, and their host calls ring steps of half of one; the all-reduce
+/// over them still gives every rank the serial sum. Ranks with a CPU each keep the
+/// steps of `chunk_bytes`.
+#[test]
+fn ranks_that_outnumber_their_cpus_take_short_ring_steps() {
+    let config = CommConfig {
+        timeout: Duration::from_secs(120),
+        algorithms: vec![Algorithm::Ring],
+        protocols: vec![Protocol::Simple],
+        ..CommConfig::default()
+    };
+    let count = 1 << 20;
+    let slot_elems = config.slot_bytes / 4;
+    assert_eq!(config.chunk_bytes, 4 * config.slot_bytes);
+    let cpus = ferroccl::topo::available_cpus().unwrap();
+    if cpus.len() >= 2 {
+        let comms = Communicator::init_all_with(2, config.clone()).unwrap();
+        assert!(comms.iter().all(|c| !c.crowded()));
+        let plan = comms[0]
+            .plan_for(Collective::AllReduce, count, DataType::Float32)
+            .unwrap();
+        assert_eq!(longest_step(&plan), 4 * slot_elems);
+    }
+    // The ranks' threads inherit this thread's CPUs: one.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: an all-zero cpu_set_t is a valid empty set; CPU_SET writes inside
+            // it, and sched_setaffinity reads it for the call.
+            let rc = unsafe {
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpus[0], &mut one);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one)
+            };
+            assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+            let comms = Communicator::init_all_with(2, config.clone()).unwrap();
+            assert!(comms.iter().all(|c| c.crowded()));
+            let plan = comms[0]
+                .plan_for(Collective::AllReduce, count, DataType::Float32)
+                .unwrap();
+            assert_eq!(longest_step(&plan), slot_elems);
+            let inputs: Vec<Vec<f32>> = (0..2)
+                .map(|r| {
+                    (0..count)
+                        .map(|i| ((i * 7 + r * 3) % 1001) as f32)
+                        .collect()
+                })
+                .collect();
+            let outputs = on_ranks(&comms, |c| {
+                let mut out = vec![0f32; count];
+                c.all_reduce(&inputs[c.rank()], &mut out, ReduceOp::Sum)
+                    .unwrap();
+                out
+            });
+            for (rank, out) in outputs.iter().enumerate() {
+                let wrong = (0..count)
+                    .filter(|&i| out[i] != inputs[0][i] + inputs[1][i])
+                    .count();
+                assert_eq!(wrong, 0, "rank {rank}: {wrong} wrong elements");
+            }
+        });
+    });
+}

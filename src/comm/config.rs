@@ -18,9 +18,9 @@ use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 /// | --- | --- | --- |
 /// | `FERROCCL_TIMEOUT` | `timeout` (seconds) | 600 |
 /// | `FERROCCL_NCHANNELS` (`NCCL_NCHANNELS`) | `channels`, and `device_channels` | 1; device calls: from the device ([`crate::cuda::tuning`]) |
-/// | `FERROCCL_SLOTS` | `slots` per FIFO, and `dedicated_slots` | 8; 16 between ranks of a host that each have a core |
+/// | `FERROCCL_SLOTS` | `slots` per FIFO, `dedicated_slots` and `crowded_slots` | 8; 16 between ranks of a host that each have a core; 2 between ranks of a host that outnumber its cores |
 /// | `FERROCCL_SLOT_SIZE` | `slot_bytes` | 128 KiB |
-/// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half of a FIFO of `slots` |
+/// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half of a FIFO of `slots` (of `crowded_slots` where some host's ranks outnumber its cores) |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_SLOT_STORES` (`auto`, `plain`, `streaming`) | `slot_stores` | auto |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, `twoshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
@@ -51,6 +51,16 @@ pub struct CommConfig {
     /// longer than a core's L2 cache finds the lines the reader has dropped; see
     /// [`crate::transport::fifo`]). Ring steps stay `chunk_bytes` whatever it is.
     pub dedicated_slots: usize,
+    /// Slots per Simple FIFO between ranks of one host whose ranks outnumber its cores:
+    /// the ranks that take turns on a core walk all their FIFOs through that core's
+    /// caches, so these FIFOs are short, and where some host has them a Simple ring
+    /// step moves at most half of one ([`CommConfig::chunk_bytes_for`]). Measured on
+    /// 2 cores with 2 MiB of L2 each (2026-11-29, all-reduce, busbw, three rounds
+    /// interleaved): 8 ranks, 512 KiB–32 MiB, 8 slots of 128 KiB (1 MiB a FIFO, steps
+    /// of 512 KiB) 1.03–1.44 GB/s, 2 slots (256 KiB, steps of 128 KiB) 1.59–2.06; 3 and
+    /// 4 ranks at 8–32 KiB 5–15 % slower (docs/src/transports.md, "FIFOs between ranks
+    /// that outnumber the cores").
+    pub crowded_slots: usize,
     /// Bytes per slot.
     pub slot_bytes: usize,
     /// Bytes one step of a ring moves (at most half a FIFO, so rings cannot deadlock).
@@ -104,6 +114,7 @@ impl Default for CommConfig {
             device_channels: None,
             slots,
             dedicated_slots: 16,
+            crowded_slots: 2,
             slot_bytes,
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
@@ -149,6 +160,7 @@ impl CommConfig {
         if let Some(v) = env_number(&["FERROCCL_SLOTS"])? {
             c.slots = v as usize;
             c.dedicated_slots = v as usize;
+            c.crowded_slots = v as usize;
         }
         if let Some(v) = env_number(&["FERROCCL_SLOT_SIZE"])? {
             c.slot_bytes = v as usize;
@@ -228,6 +240,14 @@ impl CommConfig {
         }
     }
 
+    /// The shape of the Simple FIFOs between ranks of one host that outnumber its cores.
+    pub fn crowded_geometry(&self) -> Geometry {
+        Geometry {
+            slots: self.crowded_slots,
+            ..self.geometry()
+        }
+    }
+
     /// The shape of the LL FIFOs, if LL is allowed.
     pub fn ll_geometry(&self) -> Option<Geometry> {
         self.protocols
@@ -235,13 +255,18 @@ impl CommConfig {
             .then(|| Geometry::ll(self.ll_slots, self.ll_payload_bytes))
     }
 
-    /// Bytes one step of a ring moves with `protocol`: `chunk_bytes`, for LL at most
-    /// half of any FIFO its slices go through (LL FIFOs inside a host, Simple ones over
-    /// TCP), and for single copy four times `chunk_bytes` (a message takes one slot
-    /// whatever its size, so only the pipeline's depth limits it: 2 ranks, 32 MiB,
-    /// measured best at 2 MiB).
-    pub fn chunk_bytes_for(&self, protocol: Protocol) -> usize {
+    /// Bytes one step of a ring moves with `protocol`: `chunk_bytes`, for Simple at
+    /// most half of a FIFO of `crowded_slots` when `crowded` (some host of the job has
+    /// more ranks than cores, and such FIFOs between them), for LL at most half of any
+    /// FIFO its slices go through (LL FIFOs inside a host, Simple ones over TCP), and
+    /// for single copy four times `chunk_bytes` (a message takes one slot whatever its
+    /// size, so only the pipeline's depth limits it: 2 ranks, 32 MiB, measured best at
+    /// 2 MiB).
+    pub fn chunk_bytes_for(&self, protocol: Protocol, crowded: bool) -> usize {
         match protocol {
+            Protocol::Simple if crowded => self
+                .chunk_bytes
+                .min(half_fifo(self.crowded_slots, self.slot_bytes)),
             Protocol::Simple => self.chunk_bytes,
             Protocol::SingleCopy => self.chunk_bytes.saturating_mul(4),
             Protocol::LL => self.chunk_bytes.min(half_fifo(
@@ -277,6 +302,7 @@ impl CommConfig {
             ),
             ("FERROCCL_SLOTS", self.slots.to_string()),
             ("dedicated_slots", self.dedicated_slots.to_string()),
+            ("crowded_slots", self.crowded_slots.to_string()),
             ("FERROCCL_SLOT_SIZE", self.slot_bytes.to_string()),
             ("FERROCCL_CHUNK_SIZE", self.chunk_bytes.to_string()),
             ("ll_slots", self.ll_slots.to_string()),
@@ -313,6 +339,7 @@ impl CommConfig {
     pub fn validate(&self) -> Result<()> {
         self.geometry().validate()?;
         self.dedicated_geometry().validate()?;
+        self.crowded_geometry().validate()?;
         #[cfg(feature = "rdma")]
         self.rdma.validate()?;
         if let Some(ll) = self.ll_geometry() {
@@ -544,15 +571,49 @@ mod tests {
     }
 
     #[test]
+    fn crowded_fifos_are_short_and_so_are_ring_steps_where_a_host_has_them() {
+        let c = CommConfig::default();
+        assert_eq!(c.crowded_slots, 2);
+        assert_eq!(
+            c.crowded_geometry(),
+            Geometry {
+                slots: 2,
+                ..c.geometry()
+            }
+        );
+        // A Simple ring step is half of a crowded FIFO only where some host is crowded;
+        // LL and single copy keep theirs.
+        assert_eq!(c.chunk_bytes_for(Protocol::Simple, false), 4 * c.slot_bytes);
+        assert_eq!(c.chunk_bytes_for(Protocol::Simple, true), c.slot_bytes);
+        for p in [Protocol::LL, Protocol::SingleCopy] {
+            assert_eq!(c.chunk_bytes_for(p, true), c.chunk_bytes_for(p, false));
+        }
+        // A smaller chunk than that stays.
+        let small = CommConfig {
+            chunk_bytes: 8 << 10,
+            ..c.clone()
+        };
+        assert_eq!(small.chunk_bytes_for(Protocol::Simple, true), 8 << 10);
+        // Every rank compares the setting, and a FIFO of one slot is refused.
+        assert!(c.shared_settings().contains("crowded_slots=2"));
+        let one = CommConfig {
+            crowded_slots: 1,
+            ..c
+        };
+        let err = one.validate().unwrap_err().to_string();
+        assert!(err.contains("FIFO slots 1"), "{err}");
+    }
+
+    #[test]
     fn ll_is_checked_and_bounds_its_chunks() {
         let c = CommConfig::default();
         let ll = c.ll_geometry().expect("LL allowed by default");
         assert_eq!(ll.payload(), c.ll_payload_bytes);
         assert_eq!(
-            c.chunk_bytes_for(Protocol::LL),
+            c.chunk_bytes_for(Protocol::LL, false),
             c.ll_slots / 2 * c.ll_payload_bytes
         );
-        assert_eq!(c.chunk_bytes_for(Protocol::Simple), c.chunk_bytes);
+        assert_eq!(c.chunk_bytes_for(Protocol::Simple, false), c.chunk_bytes);
         let simple_only = CommConfig {
             protocols: vec![Protocol::Simple],
             ..c.clone()
@@ -586,6 +647,6 @@ mod tests {
             ..CommConfig::default()
         };
         few_slots.validate().unwrap();
-        assert_eq!(few_slots.chunk_bytes_for(Protocol::LL), 4096);
+        assert_eq!(few_slots.chunk_bytes_for(Protocol::LL, false), 4096);
     }
 }

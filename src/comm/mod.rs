@@ -384,6 +384,7 @@ impl Communicator {
             &TransportConfig {
                 geometry: config.geometry(),
                 dedicated: config.dedicated_geometry(),
+                crowded: config.crowded_geometry(),
                 ll: config.ll_geometry(),
                 single_copy: config.protocols.contains(&Protocol::SingleCopy),
                 slot_stores: config.slot_stores,
@@ -403,7 +404,9 @@ impl Communicator {
         }
         let host_count = hosts.iter().max().map_or(1, |m| m + 1);
         let memory = conns.peer_memory();
-        let (planner, windowed_planner) = Planner::for_host(&config, &hosts, model, memory);
+        let crowded = crowded_ring_steps(rank, &config, &conns);
+        let (planner, windowed_planner) =
+            Planner::for_host(&config, &hosts, model, memory, crowded);
         let device_tuning =
             device_tuning::agree(&boot, &gpu_lines, &hosts, config.device_channels, model.net)?;
         let device_planner = Planner::new(
@@ -411,6 +414,7 @@ impl Communicator {
             &hosts,
             device_tuning.channels,
             device_tuning.model,
+            false,
             false,
         );
         let shape = Shape {
@@ -466,6 +470,13 @@ impl Communicator {
     /// The settings in force.
     pub fn config(&self) -> &CommConfig {
         &self.config
+    }
+
+    /// Whether the ranks of some host of this communicator outnumber the cores they may
+    /// use: the FIFOs between them then have [`CommConfig::crowded_slots`], and host
+    /// calls' Simple ring steps fit half of one ([`CommConfig::chunk_bytes_for`]).
+    pub fn crowded(&self) -> bool {
+        self.shape.crowding.queue() > 1.0
     }
 
     /// Facts about every rank (host, pid, addresses), from the rendezvous.
@@ -1154,6 +1165,22 @@ impl<'b> Group<'_, 'b> {
         // length its operation uses.
         unsafe { self.comm.run(&self.ops) }
     }
+}
+
+/// Whether some host's ranks outnumber its cores (the same on every rank): its FIFOs are
+/// then short, and so are the host calls' Simple ring steps (device calls have FIFOs of
+/// their own). Says so at `FERROCCL_DEBUG=INFO` when that shortens the steps.
+fn crowded_ring_steps(rank: usize, config: &CommConfig, conns: &Connections) -> bool {
+    let crowded = conns.crowding().queue() > 1.0;
+    let step = config.chunk_bytes_for(Protocol::Simple, crowded);
+    if step < config.chunk_bytes {
+        tracing::info!(
+            "rank {rank}: ranks outnumber the cores of a host: ring steps of {step} B, half \
+             of its FIFOs of {} slots (FERROCCL_SLOTS sets them)",
+            config.crowded_slots
+        );
+    }
+    crowded
 }
 
 #[cfg(test)]

@@ -24,42 +24,48 @@ impl Planner {
     /// when that differs. Single copy between threads of one process, or from a window
     /// every peer mapped, is a pointer read, priced as the model's `local_in_place`
     /// (every rank sees the same model and the same pids, so all choose alike).
+    /// `crowded`: some host's ranks outnumber its cores (the same on every rank), so
+    /// its FIFOs are short and so are Simple ring steps
+    /// ([`CommConfig::chunk_bytes_for`]).
     pub(super) fn for_host(
         config: &CommConfig,
         hosts: &[usize],
         mut model: CostModel,
         memory: std::result::Result<&crate::transport::single_copy::PeerMemory, &str>,
+        crowded: bool,
     ) -> (Planner, Option<Planner>) {
         let single_copy = memory.is_ok();
         let in_process = memory.is_ok_and(|m| m.all_in_process());
         if in_process {
             model.local_single = model.local_in_place;
         }
-        let planner = Planner::new(config, hosts, config.channels, model, single_copy);
+        let planner = Planner::new(config, hosts, config.channels, model, single_copy, crowded);
         let windowed = (single_copy && !in_process).then(|| {
             let model = CostModel {
                 local_single: model.local_in_place,
                 ..model
             };
-            Planner::new(config, hosts, config.channels, model, single_copy)
+            Planner::new(config, hosts, config.channels, model, single_copy, crowded)
         });
         (planner, windowed)
     }
 
-    /// `channels` rings over ranks on `hosts`, chunks from `config`, choices by `model`.
+    /// `channels` rings over ranks on `hosts`, chunks from `config` (for a job with a
+    /// `crowded` host when it has one), choices by `model`.
     pub(super) fn new(
         config: &CommConfig,
         hosts: &[usize],
         channels: usize,
         model: CostModel,
         single_copy: bool,
+        crowded: bool,
     ) -> Self {
         let rings = PlanOptions::for_hosts(hosts, channels, 1).rings;
         Planner {
             model,
             plan_options: Protocol::ALL.map(|protocol| {
                 [1usize, 2, 4, 8].map(|elem| PlanOptions {
-                    chunk_elems: (config.chunk_bytes_for(protocol) / elem).max(1),
+                    chunk_elems: (config.chunk_bytes_for(protocol, crowded) / elem).max(1),
                     rings: rings.clone(),
                     algorithm: Algorithm::Ring,
                     hosts: hosts.to_vec(),

@@ -124,11 +124,12 @@ pub fn header(test: Test, args: &PerfArgs, comm: &Communicator) -> String {
     let _ = writeln!(
         s,
         "# channels {channels}, FIFO {} x {} KiB ({} slots between ranks of a host that \
-         each have a core), chunk {} KiB, timeout {:?}",
+         each have a core, {} where they outnumber its cores), chunk {} KiB, timeout {:?}",
         c.slots,
         c.slot_bytes >> 10,
         c.dedicated_slots,
-        c.chunk_bytes >> 10,
+        c.crowded_slots,
+        c.chunk_bytes_for(crate::plan::Protocol::Simple, comm.crowded()) >> 10,
         c.timeout
     );
     let _ = writeln!(s, "{RULE}");

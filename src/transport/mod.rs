@@ -130,11 +130,14 @@ impl NetChoice {
 /// How to connect a communicator's ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportConfig {
-    /// Shape of every Simple FIFO, but those of `dedicated`.
+    /// Shape of every Simple FIFO, but those of `dedicated` and `crowded`.
     pub geometry: Geometry,
     /// Shape of the Simple FIFOs between ranks of one host where every rank there has a
     /// core of its own (more slots than `geometry`).
     pub dedicated: Geometry,
+    /// Shape of the Simple FIFOs between ranks of one host whose ranks outnumber its
+    /// cores (fewer slots than `geometry`).
+    pub crowded: Geometry,
     /// Shape of the LL FIFOs between ranks of one host; `None`: no LL FIFOs.
     pub ll: Option<Geometry>,
     /// Whether calls may use single copy (`FERROCCL_PROTO` allows it): without it the
@@ -167,12 +170,14 @@ impl TransportConfig {
     /// reader's L2 cache comes back to lines the reader has dropped, which the writer
     /// takes without invalidating the reader's copy. Measured,
     /// 2 ranks on 2 cores (1 MiB of L2 each), all-reduce: 8 slots of 128 KiB (1 MiB a
-    /// FIFO) → 16 (2 MiB): 32 KiB 3.4 → 2.3 µs, 64 KiB 5.9 → 4.2, 128 KiB 9.8 → 7.9; ranks
-    /// that take turns on a core find the lines in that core's cache anyway, and there
-    /// the larger FIFO measured slower (4 ranks on 2 cores: 256 KiB 52 → 65–71 µs).
+    /// FIFO) → 16 (2 MiB): 32 KiB 3.4 → 2.3 µs, 64 KiB 5.9 → 4.2, 128 KiB 9.8 → 7.9. Ranks
+    /// that take turns on a core walk all of their FIFOs through that core's caches, so
+    /// there they are `crowded`, shorter: the larger FIFO measured slower (4 ranks on 2
+    /// cores: 16 slots against 8, 256 KiB 52 → 65–71 µs; 8 ranks, 2 slots against 8:
+    /// see [`crate::comm::CommConfig::crowded_slots`]).
     fn local_geometry(&self, oversubscribed: bool) -> Geometry {
         match oversubscribed {
-            true => self.geometry,
+            true => self.crowded,
             false => self.dedicated,
         }
     }
@@ -181,6 +186,7 @@ impl TransportConfig {
     fn validate(&self, nranks: usize) -> Result<()> {
         self.geometry.validate()?;
         self.dedicated.validate()?;
+        self.crowded.validate()?;
         if self.geometry.protocol != Protocol::Simple
             || self.ll.is_some_and(|g| g.protocol != Protocol::LL)
         {
@@ -1137,7 +1143,7 @@ mod tests {
     };
 
     #[test]
-    fn fifos_between_ranks_with_a_core_each_have_the_dedicated_slots() {
+    fn fifos_between_ranks_with_a_core_each_have_the_dedicated_slots_and_crowded_ones_few() {
         let geometry = Geometry {
             slots: 8,
             slot_bytes: 128 << 10,
@@ -1147,6 +1153,10 @@ mod tests {
             geometry,
             dedicated: Geometry {
                 slots: 16,
+                ..geometry
+            },
+            crowded: Geometry {
+                slots: 2,
                 ..geometry
             },
             ll: None,
@@ -1163,17 +1173,27 @@ mod tests {
         };
         let local = config.local_geometry(false);
         assert_eq!((local.slots, local.slot_bytes), (16, 128 << 10));
-        assert_eq!(config.local_geometry(true), geometry);
+        let crowded = config.local_geometry(true);
+        assert_eq!((crowded.slots, crowded.slot_bytes), (2, 128 << 10));
         config.validate(2).unwrap();
         let odd = TransportConfig {
             dedicated: Geometry {
                 slots: 6,
                 ..geometry
             },
-            ..config
+            ..config.clone()
         };
         let err = odd.validate(2).unwrap_err().to_string();
         assert!(err.contains("FIFO slots 6"), "{err}");
+        let one = TransportConfig {
+            crowded: Geometry {
+                slots: 1,
+                ..geometry
+            },
+            ..config
+        };
+        let err = one.validate(2).unwrap_err().to_string();
+        assert!(err.contains("FIFO slots 1"), "{err}");
     }
 
     #[test]
