@@ -170,10 +170,15 @@ impl Crowding {
         1.0 / self.queue()
     }
 
+    /// Whether the ranks outnumber the CPUs they may use.
+    pub fn outnumbered(&self) -> bool {
+        self.ranks > self.cpus.max(1)
+    }
+
     /// Ranks per CPU, at least 1: how many turns a CPU's run queue takes before a rank
     /// that waits runs again.
     pub fn queue(&self) -> f64 {
-        if self.ranks <= self.cpus || self.ranks == 0 {
+        if !self.outnumbered() {
             1.0
         } else {
             self.ranks as f64 / self.cpus.max(1) as f64

@@ -321,14 +321,7 @@ fn ranks_that_outnumber_their_cpus_take_short_ring_steps() {
     // The ranks' threads inherit this thread's CPUs: one.
     std::thread::scope(|s| {
         s.spawn(|| {
-            // SAFETY: an all-zero cpu_set_t is a valid empty set; CPU_SET writes inside
-            // it, and sched_setaffinity reads it for the call.
-            let rc = unsafe {
-                let mut one: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(cpus[0], &mut one);
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one)
-            };
-            assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+            ferroccl::topo::pin_thread_to(cpus[0]).unwrap();
             let comms = Communicator::init_all_with(2, config.clone()).unwrap();
             assert!(comms.iter().all(|c| c.crowded()));
             let plan = comms[0]

@@ -476,7 +476,7 @@ impl Communicator {
     /// use: the FIFOs between them then have [`CommConfig::crowded_slots`], and host
     /// calls' Simple ring steps fit half of one ([`CommConfig::chunk_bytes_for`]).
     pub fn crowded(&self) -> bool {
-        self.shape.crowding.queue() > 1.0
+        self.shape.crowding.outnumbered()
     }
 
     /// Facts about every rank (host, pid, addresses), from the rendezvous.
@@ -1171,7 +1171,7 @@ impl<'b> Group<'_, 'b> {
 /// then short, and so are the host calls' Simple ring steps (device calls have FIFOs of
 /// their own). Says so at `FERROCCL_DEBUG=INFO` when that shortens the steps.
 fn crowded_ring_steps(rank: usize, config: &CommConfig, conns: &Connections) -> bool {
-    let crowded = conns.crowding().queue() > 1.0;
+    let crowded = conns.crowding().outnumbered();
     let step = config.chunk_bytes_for(Protocol::Simple, crowded);
     if step < config.chunk_bytes {
         tracing::info!(

@@ -28,23 +28,6 @@ use crate::error::{Error, Result};
 use crate::reduce::Kernel;
 use crate::types::{DataType, ReduceOp};
 
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> Result<()> {
-    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` comes from `topo::available_cpus`, so it is below CPU_SETSIZE.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: sched_setaffinity reads `set`, which lives for the call, for its size.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    if rc != 0 {
-        return Err(Error::io(
-            format!("pin a thread to CPU {cpu}"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
-}
-
 /// A counter alone on its cache line (so the two flags never share one).
 #[repr(align(128))]
 #[derive(Default)]
@@ -68,7 +51,7 @@ pub fn one_way_latency(rounds: u64) -> Result<Duration> {
         let flags = flags.clone();
         let cpu = cpus[1];
         std::thread::spawn(move || -> Result<()> {
-            pin_to(cpu)?;
+            crate::topo::pin_thread_to(cpu)?;
             let total = rounds + rounds / 10;
             for i in 1..=total {
                 while flags[0].0.load(Ordering::Acquire) != i {
@@ -83,7 +66,7 @@ pub fn one_way_latency(rounds: u64) -> Result<Duration> {
     let ping = {
         let cpu = cpus[0];
         std::thread::spawn(move || -> Result<Vec<Duration>> {
-            pin_to(cpu)?;
+            crate::topo::pin_thread_to(cpu)?;
             // Rounds are timed in batches of 100 (a clock read costs about a round).
             let mut batches = Vec::new();
             let mut batch_start = Instant::now();
@@ -174,7 +157,7 @@ pub fn memory_bandwidth(pass: Pass, workers: usize, bytes: usize, reps: usize) -
         .map(|&cpu| {
             let (start, end) = (start.clone(), end.clone());
             std::thread::spawn(move || -> Result<()> {
-                pin_to(cpu)?;
+                crate::topo::pin_thread_to(cpu)?;
                 // First touch on the worker's own CPU (its NUMA node), every page.
                 let src = vec![1.0f32; elems];
                 let mut dst = vec![2.0f32; elems];

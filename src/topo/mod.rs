@@ -85,6 +85,26 @@ pub struct HostTopology {
     pub nvml_note: Option<String>,
 }
 
+/// Pins the calling thread to `cpu` (threads it starts afterwards inherit that).
+pub fn pin_thread_to(cpu: usize) -> Result<()> {
+    // SAFETY: an all-zero cpu_set_t is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(Error::invalid(format!("CPU {cpu} is past CPU_SETSIZE")));
+    }
+    // SAFETY: `cpu` is below CPU_SETSIZE (checked), inside the set.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: sched_setaffinity reads `set`, which lives for the call, for its size.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(Error::io(
+            format!("pin a thread to CPU {cpu}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
 /// The CPUs this process may run on, in order.
 pub fn available_cpus() -> Result<Vec<usize>> {
     // SAFETY: an all-zero cpu_set_t is a valid, empty set.
@@ -381,6 +401,18 @@ pub fn dump_from_env(rank: usize, peers: &[PeerInfo], rings: &[Vec<usize>]) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thread_pins_to_a_cpu_it_may_use_and_not_past_the_set() {
+        let cpu = available_cpus().unwrap()[0];
+        let pinned = std::thread::spawn(move || {
+            pin_thread_to(cpu).unwrap();
+            available_cpus().unwrap()
+        });
+        assert_eq!(pinned.join().unwrap(), [cpu]);
+        let err = pin_thread_to(libc::CPU_SETSIZE as usize).unwrap_err();
+        assert!(err.to_string().contains("past CPU_SETSIZE"), "{err}");
+    }
 
     #[test]
     fn cpu_lists_and_this_host() {

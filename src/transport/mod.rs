@@ -1101,8 +1101,7 @@ impl CpuShare {
 /// ranks confined to one CPU do, and so do ranks of simulated hosts (network
 /// namespaces) sharing one machine.
 fn oversubscribed(all: &[CpuShare], mine: &CpuShare) -> bool {
-    let here = machine_crowding(all, &mine.machine);
-    here.ranks > here.cpus.max(1)
+    machine_crowding(all, &mine.machine).outnumbered()
 }
 
 /// The ranks of `all` on `machine`, and the CPUs they may use between them.
