@@ -77,12 +77,21 @@ mod x86 {
 
     use crate::reduce::{VectorIsa, vector_isa};
 
-    /// Copies with unaligned vector loads and stores, four vectors at a time (all four
-    /// loaded before any is stored), the tail with `memcpy` (shorter than the slow case).
+    /// Copies with vector loads and stores, four vectors at a time (all four loaded
+    /// before any is stored), the stores starting on a line of `dst`; the bytes before
+    /// that line and the tail with `memcpy` (shorter than the slow case).
     ///
     /// # Safety
     /// As [`super::copy`].
     pub(super) unsafe fn vector_copy(dst: *mut u8, src: *const u8, bytes: usize) {
+        // The loop stores whole lines of the destination (see `line_head`); the bytes
+        // before the first line go first.
+        let head = crate::reduce::line_head(dst, 1, bytes);
+        // SAFETY: `head` < a line ≤ `bytes`, inside both regions.
+        let (dst, src, bytes) = unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            (dst.add(head), src.add(head), bytes - head)
+        };
         let done = if vector_isa() >= VectorIsa::Avx2 {
             // SAFETY: the CPU has AVX2 (checked); the rest is the caller's contract.
             unsafe { copy_avx2(dst, src, bytes) }
@@ -158,8 +167,13 @@ mod tests {
         for isa in [VectorIsa::Portable, VectorIsa::Avx2] {
             crate::reduce::tests::with_isa(isa, || {
                 for distance in [0, 1, 15, 16, 31, 32, 63, 64, 65, 4095] {
-                    for len in [0, 1, 2047, 2048, 2049, 2111, 2175, 4096, 4096 + 127] {
-                        let src = &src_buf[5..5 + len];
+                    // Lengths from 4 KiB start the loop on a line of the destination; the
+                    // source's place in a line moves the destination's.
+                    for (len, from) in [0, 1, 2047, 2048, 2049, 2111, 2175, 4096, 4096 + 127]
+                        .into_iter()
+                        .flat_map(|len| [(len, 5), (len, 64), (len, 64 + 48)])
+                    {
+                        let src = &src_buf[from..from + len];
                         let mut dst_buf = vec![0xAAu8; 3 * PAGE + 256];
                         // Place dst at `distance` past src modulo a page.
                         let base = dst_buf.as_ptr() as usize;
@@ -172,7 +186,7 @@ mod tests {
                         );
                         // SAFETY: both hold `len` bytes; distinct allocations.
                         unsafe { copy(dst.as_mut_ptr(), src.as_ptr(), len) };
-                        assert_eq!(&dst[..len], src, "distance {distance}, {len} B");
+                        assert_eq!(&dst[..len], src, "distance {distance}, {len} B from {from}");
                         assert!(dst[len..].iter().all(|&b| b == 0xAA), "wrote past the end");
                     }
                 }

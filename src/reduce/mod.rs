@@ -258,6 +258,27 @@ impl Kernel {
     /// `count` elements of [`dtype`](Self::dtype); `dst` may be exactly equal to `a` or to
     /// `b` (in place) but must not partially overlap either. No alignment requirement.
     pub unsafe fn reduce(&self, dst: *mut u8, a: *const u8, b: *const u8, count: usize) {
+        let elem = self.dtype.size();
+        let head = line_head(dst, elem, count);
+        if head > 0 {
+            // SAFETY (block): the caller's contract; the head and the rest split all
+            // three regions at the same element, so an in-place call stays in place.
+            unsafe {
+                self.reduce_from(dst, a, b, head);
+                let at = head * elem;
+                self.reduce_from(dst.add(at), a.add(at), b.add(at), count - head);
+            }
+            return;
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.reduce_from(dst, a, b, count) }
+    }
+
+    /// [`reduce`](Self::reduce) as the kernels run it, wherever `dst` starts.
+    ///
+    /// # Safety
+    /// As [`reduce`](Self::reduce).
+    unsafe fn reduce_from(&self, dst: *mut u8, a: *const u8, b: *const u8, count: usize) {
         #[cfg(target_arch = "x86_64")]
         if self.dtype == DataType::Float16 && x86::has_f16c() {
             let s = self.scalar as u16;
@@ -337,6 +358,29 @@ impl Kernel {
 
 /// Reductions of at most this many elements run the portable loop (see [`reduce_typed`]).
 const SCALAR_UP_TO: usize = 16;
+
+/// A cache line: vector stores that start on one write one line, not parts of two.
+pub(crate) const LINE: usize = 64;
+
+/// Regions of at least this many bytes start their vector loop on a line of the
+/// destination ([`line_head`]); shorter ones are not worth the second call.
+const LINE_ALIGNED_FROM: usize = 4096;
+
+/// How many of `count` elements of `elem` bytes to handle before `dst` reaches a line
+/// boundary, so that the vector loop after them stores whole lines: 0 when `dst` is on
+/// a line already, is not aligned to its elements (no element boundary falls on a
+/// line), or the region is short. An unaligned 64-byte store spans two lines; measured
+/// on an Intel Xeon host (2026-11-29, AVX-512, f32 sum of 128–256 KiB in the cache), a
+/// destination 16 bytes past a line ran at 24 GB/s against 29 on a line, and a copy out
+/// of a peer's FIFO slot into such a destination at 10.5–11.9 GB/s against 13.3–13.7.
+#[inline]
+pub(crate) fn line_head(dst: *const u8, elem: usize, count: usize) -> usize {
+    let misplaced = dst as usize % LINE;
+    if misplaced == 0 || !misplaced.is_multiple_of(elem) || count * elem < LINE_ALIGNED_FROM {
+        return 0;
+    }
+    (LINE - misplaced) / elem
+}
 
 /// [`Kernel::reduce`] for one element type. One function per type keeps each small
 /// enough for LLVM to inline and vectorise all its loops; on x86-64 it runs the AVX-512

@@ -33,7 +33,7 @@
 //! tile, lines that crawl to a far peer: 2 ranks far, 8 / 32 / 128 MiB, 6.9–7.4 /
 //! 6.3–7.1 / 6.1–6.2 GB/s then, 12.0–12.4 / 8.5–8.6 / 7.7–7.9 with whole lines.
 
-use super::Kernel;
+use super::{Kernel, LINE};
 
 /// Bytes of the tile a streaming reduction computes in: small enough that the tile,
 /// the lines it is computed from and the write-combining buffers share the L1 without
@@ -48,9 +48,6 @@ struct Tile([u8; LINE + TILE_BYTES]);
 
 /// Most destinations a reduction streams to (an output and a slot).
 const MAX_STREAMED: usize = 2;
-
-/// Bytes of a cache line, the unit that streaming stores fill whole.
-const LINE: usize = 64;
 
 /// Copies `bytes` bytes from `src` to `dst` with streaming stores, whole cache lines
 /// only (the partial lines at either end with plain ones: a write-combining buffer

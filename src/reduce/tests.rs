@@ -702,6 +702,61 @@ fn long_buffers_take_the_vector_path_correctly() {
     });
 }
 
+/// Regions long enough to start their vector loop on a line of the destination, with
+/// the destination at every byte of a line (on its elements' alignment or not), out of
+/// place and in place: every element equals the reduction of aligned copies.
+fn check_every_line_offset<T: Element>() {
+    let size = std::mem::size_of::<T>();
+    let n = (2 * super::LINE_ALIGNED_FROM) / size + 7;
+    let a: Vec<T> = (0..n).map(|i| T::from_f64((i % 11) as f64)).collect();
+    let b: Vec<T> = (0..n).map(|i| T::from_f64((i % 3) as f64 - 1.0)).collect();
+    for op in [ReduceOp::Sum, ReduceOp::Max] {
+        let k = Kernel::new(T::DTYPE, op, 2).unwrap();
+        let mut want = vec![T::from_f64(0.0); n];
+        reduce_slice(&k, &mut want, &a, &b).unwrap();
+        for offset in 0..super::LINE {
+            // Two lines of slack so that `offset` lands at that byte of a line.
+            let mut bytes = vec![0u8; 3 * n * size + 3 * super::LINE];
+            let line = bytes.as_ptr().align_offset(super::LINE);
+            let dout = line + offset;
+            let (ao, bo) = (dout + n * size + 3, dout + 2 * n * size + 5);
+            put(&mut bytes, ao, &a);
+            put(&mut bytes, bo, &b);
+            let base = bytes.as_mut_ptr();
+            let head = super::line_head(base.wrapping_add(dout), size, n);
+            if head > 0 {
+                assert_eq!((base as usize + dout + head * size) % super::LINE, 0);
+            }
+            // SAFETY: three disjoint ranges of n elements inside `bytes`.
+            unsafe { k.reduce(base.add(dout), base.add(ao), base.add(bo), n) };
+            let got = get::<T>(&bytes, dout, n);
+            assert!(
+                got == want,
+                "{} {op:?} out of place, offset {offset}",
+                T::DTYPE
+            );
+            // In place: dst == a, at the same offset.
+            put(&mut bytes, dout, &a);
+            // SAFETY: as above; dst == a.
+            unsafe { k.reduce(base.add(dout), base.add(dout), base.add(bo), n) };
+            let got = get::<T>(&bytes, dout, n);
+            assert!(got == want, "{} {op:?} in place, offset {offset}", T::DTYPE);
+        }
+    }
+}
+
+#[test]
+fn destinations_at_every_byte_of_a_line() {
+    on_every_path(|| {
+        check_every_line_offset::<u8>();
+        check_every_line_offset::<i32>();
+        check_every_line_offset::<f16>();
+        check_every_line_offset::<f32>();
+        check_every_line_offset::<f64>();
+        check_every_line_offset::<bf16>();
+    });
+}
+
 #[test]
 fn rejects_bad_arguments() {
     let err = Kernel::new(DataType::Float32, ReduceOp::Sum, 0).unwrap_err();

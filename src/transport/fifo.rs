@@ -272,7 +272,7 @@ fn ll_flag(counter: u32) -> u32 {
 /// number `counter` (see the module documentation): 0 for messages longer than half a
 /// slot, and for LL FIFOs, whose header leads the slot.
 fn rotation(geometry: Geometry, counter: u32, len: usize) -> usize {
-    const LINE: usize = 64;
+    use crate::reduce::LINE;
     let payload = geometry.payload();
     if geometry.protocol == Protocol::LL || len == 0 || len > payload / 2 {
         return 0;
