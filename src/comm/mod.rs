@@ -928,14 +928,20 @@ impl Communicator {
                 false => "results and slots towards far peers",
             };
             let upto = v.bytes.1.map_or("".into(), |b| format!("–{} KiB", b >> 10));
+            let medians: Vec<String> = v
+                .medians
+                .into_iter()
+                .zip(Stores::WAYS)
+                .filter_map(|(m, way)| {
+                    Some(format!("{:.1} µs {}", m?.as_secs_f64() * 1e6, way.name()))
+                })
+                .collect();
             tracing::debug!(
-                "rank {}: calls of {} KiB{upto} now write {what} with {} stores (median \
-                 {:.1} µs non-temporal, {:.1} µs plain)",
+                "rank {}: calls of {} KiB{upto} now write {what} with {} (medians: {})",
                 self.rank,
                 v.bytes.0 >> 10,
                 v.stores.name(),
-                v.medians[0].as_secs_f64() * 1e6,
-                v.medians[1].as_secs_f64() * 1e6,
+                medians.join(", "),
             );
         }
     }
@@ -965,8 +971,8 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
-            streaming: streaming && stores == Stores::NonTemporal,
-            may_stream_slots: stores == Stores::NonTemporal,
+            streaming: streaming && stores.streams_results(),
+            may_stream_slots: stores.streams_slots(),
         })
     }
 

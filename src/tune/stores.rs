@@ -16,10 +16,17 @@
 //! - **large calls' slots:** on another host that afternoon, far, lines written with
 //!   plain stores crossed at 2.3 GB/s and streamed ones at 17–18, and 8–128 MiB ran at
 //!   1.8–2.1 GB/s with plain slot stores against 5.8–9.9 with non-temporal ones (and
-//!   streamed results).
+//!   streamed results);
+//! - **large calls' slots and results apart:** on an Intel Xeon host of 2026-11-29, far,
+//!   plain slot stores with streamed results beat both ways that treat the two alike
+//!   (2 ranks, 8–128 MiB, three interleaved rounds: 3.50–5.00 GB/s against 3.26–4.57
+//!   for everything streamed, which that host's two-way trial chose over everything
+//!   plain).
 //!
-//! So each size of call tries both ways and keeps the faster; it tries again every
-//! [`CYCLE`] calls of that size, since the VM moves its vCPUs within minutes.
+//! So each size of call tries the ways and keeps the fastest; it tries again every
+//! [`CYCLE`] calls of that size, since the VM moves its vCPUs within minutes. Calls
+//! below [`LARGE`] write no result past the caches, so they try two ways (slots
+//! streamed or not); larger ones try three ([`Stores`]).
 //!
 //! Calls are grouped by size in powers of two from [`SMALLEST`] (smaller calls write
 //! slices too short to stream and results too small). Below [`LARGE`],
@@ -27,8 +34,8 @@
 //! the receivers have had the hand-offs to measure far), alternate the two ways in pairs, and the
 //! second call of each pair is timed (the first one finds the caches as the other way
 //! left them); from [`LARGE`], where the buffers outgrow the caches and calls are few and
-//! long, the first [`SINGLE_TRIAL_CALLS`] alternate call by call and each is timed. The
-//! way with the lower median time is used until the next cycle.
+//! long, the first [`SINGLE_TRIAL_CALLS`] take the ways in turn call by call and each is
+//! timed. The way with the lowest median time is used until the next cycle.
 //!
 //! Where the trial falls is decided by the count of calls of the group alone, so ranks
 //! that make the same calls in the same order try the same way on the same call. Ranks
@@ -37,24 +44,39 @@
 
 use std::time::Duration;
 
-/// How a call writes what it would write past the caches.
+/// How a call writes what it would write past the caches: its slots towards far peers
+/// and, from [`LARGE`], its results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stores {
-    /// Non-temporal stores: the bytes go to memory, past this core's caches.
+    /// Non-temporal stores for both: the bytes go to memory, past this core's caches.
     NonTemporal,
-    /// Plain stores: the bytes stay in this core's caches until evicted.
+    /// Plain stores for both: the bytes stay in this core's caches until evicted.
     Plain,
+    /// Plain stores for the slots, non-temporal ones for the results (tried from
+    /// [`LARGE`] only: below it the two are the same as [`Stores::Plain`]).
+    PlainSlots,
 }
 
 impl Stores {
-    /// The two ways, in the order a trial alternates them.
-    const WAYS: [Stores; 2] = [Stores::NonTemporal, Stores::Plain];
+    /// The ways, in the order a trial takes them (the first two below [`LARGE`]).
+    pub const WAYS: [Stores; 3] = [Stores::NonTemporal, Stores::Plain, Stores::PlainSlots];
+
+    /// Whether slots towards far peers go past the caches.
+    pub fn streams_slots(self) -> bool {
+        self == Stores::NonTemporal
+    }
+
+    /// Whether results of [`LARGE`] or more go past the caches.
+    pub fn streams_results(self) -> bool {
+        self != Stores::Plain
+    }
 
     /// How logs name it.
     pub fn name(self) -> &'static str {
         match self {
-            Stores::NonTemporal => "non-temporal",
-            Stores::Plain => "plain",
+            Stores::NonTemporal => "non-temporal stores",
+            Stores::Plain => "plain stores",
+            Stores::PlainSlots => "plain stores for slots and non-temporal ones for results",
         }
     }
 }
@@ -63,8 +85,8 @@ impl Stores {
 /// ([`crate::engine::FAR_SLOT_STREAMING_FROM`]).
 pub const SMALLEST: usize = 2 << 10;
 
-/// Calls of this many bytes or more stream their results too (one verdict decides both),
-/// and are tried call by call ([`crate::engine::STREAMING_FROM`]).
+/// Calls of this many bytes or more may stream their results too (the trial tries three
+/// ways, [`Stores`]), and are tried call by call ([`crate::engine::STREAMING_FROM`]).
 pub const LARGE: usize = 8 << 20;
 
 /// Calls of this many bytes or more share the last size group.
@@ -79,8 +101,8 @@ const SINGLE_SAMPLES: usize = 3;
 /// Calls a trial takes below [`LARGE`]: pairs of calls, alternating the ways.
 pub const PAIRED_TRIAL_CALLS: u32 = (2 * 2 * PAIRED_SAMPLES) as u32;
 
-/// Calls a trial takes from [`LARGE`]: single calls, alternating the ways.
-pub const SINGLE_TRIAL_CALLS: u32 = (2 * SINGLE_SAMPLES) as u32;
+/// Calls a trial takes from [`LARGE`]: single calls, taking the three ways in turn.
+pub const SINGLE_TRIAL_CALLS: u32 = (3 * SINGLE_SAMPLES) as u32;
 
 /// Where in its cycle a trial below [`LARGE`] begins. Non-temporal stores differ from
 /// plain ones only towards a peer that measures far, and a receiver says so after 16
@@ -123,6 +145,14 @@ fn samples_of(group: usize) -> usize {
     }
 }
 
+/// The ways a trial of group `group` takes: results stream only from [`LARGE`].
+fn ways_of(group: usize) -> &'static [Stores] {
+    match paired(group) {
+        true => &Stores::WAYS[..2],
+        false => &Stores::WAYS,
+    }
+}
+
 /// A timed call of a trial, to report with [`StoreTrial::record`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
@@ -139,8 +169,9 @@ pub struct Verdict {
     pub bytes: (usize, Option<usize>),
     /// The way those calls use until the next trial.
     pub stores: Stores,
-    /// The median time of a call written each way: non-temporal, then plain.
-    pub medians: [Duration; 2],
+    /// The median time of a call written each way, in the order of [`Stores`]' variants
+    /// (`None`: a way the group does not try).
+    pub medians: [Option<Duration>; 3],
     /// Whether it differs from the way those calls used before.
     pub changed: bool,
 }
@@ -149,7 +180,7 @@ pub struct Verdict {
 struct Group {
     /// Position of the next call in its cycle.
     position: u32,
-    times: [[Duration; PAIRED_SAMPLES]; 2],
+    times: [[Duration; PAIRED_SAMPLES]; 3],
     chosen: Stores,
     /// Trials completed.
     trials: u32,
@@ -165,7 +196,7 @@ impl Default for StoreTrial {
     fn default() -> Self {
         let group = Group {
             position: 0,
-            times: [[Duration::ZERO; PAIRED_SAMPLES]; 2],
+            times: [[Duration::ZERO; PAIRED_SAMPLES]; 3],
             chosen: Stores::NonTemporal,
             trials: 0,
         };
@@ -190,21 +221,22 @@ impl StoreTrial {
         let position = g.position;
         g.position = (position + 1) % CYCLE;
         let paired = paired(group);
+        let ways = ways_of(group).len();
         let (per_way, from) = match paired {
             true => (2, PAIRED_TRIAL_FROM),
             false => (1, 0),
         };
-        if position < from || position >= from + 2 * samples_of(group) as u32 * per_way {
+        if position < from || position >= from + (ways * samples_of(group)) as u32 * per_way {
             return (g.chosen, None);
         }
         let position = position - from;
         let turn = (position / per_way) as usize;
-        let way = turn % 2;
+        let way = turn % ways;
         let timed = !paired || position % 2 == 1;
         let sample = timed.then_some(Sample {
             group,
             way,
-            index: turn / 2,
+            index: turn / ways,
         });
         (Stores::WAYS[way], sample)
     }
@@ -219,24 +251,27 @@ impl StoreTrial {
     }
 
     /// Records a timed call's `elapsed` time; after a trial's last sample, chooses the
-    /// way with the lower median and returns the verdict.
+    /// way with the lowest median (the earlier way of [`Stores`]' order on a tie) and
+    /// returns the verdict.
     pub fn record(&mut self, sample: Sample, elapsed: Duration) -> Option<Verdict> {
         let start = group_start(sample.group);
         let samples = samples_of(sample.group);
+        let ways = ways_of(sample.group).len();
         let g = &mut self.groups[sample.group];
         g.times[sample.way][sample.index] = elapsed;
-        if sample.way != 1 || sample.index != samples - 1 {
+        if sample.way != ways - 1 || sample.index != samples - 1 {
             return None;
         }
-        let medians = g.times.map(|mut t| {
-            let t = &mut t[..samples];
+        let mut medians = [None; 3];
+        for (way, median) in medians.iter_mut().enumerate().take(ways) {
+            let t = &mut g.times[way][..samples];
             t.sort_unstable();
-            t[samples / 2]
-        });
-        let stores = match medians[1] < medians[0] {
-            true => Stores::Plain,
-            false => Stores::NonTemporal,
-        };
+            *median = Some(t[samples / 2]);
+        }
+        let fastest = (0..ways)
+            .min_by_key(|&way| medians[way])
+            .expect("a trial has ways");
+        let stores = Stores::WAYS[fastest];
         let changed = stores != g.chosen;
         g.chosen = stores;
         g.trials += 1;
@@ -284,6 +319,7 @@ mod tests {
         let plain_faster = |w| match w {
             Stores::Plain => us(10),
             Stores::NonTemporal => us(14),
+            Stores::PlainSlots => unreachable!("tried from LARGE only"),
         };
         let (ways, verdicts) = run(&mut trial, 100 << 10, CYCLE, plain_faster);
         // Non-temporal stores until the trial, which alternates the ways in pairs,
@@ -299,7 +335,7 @@ mod tests {
             [Verdict {
                 bytes: (64 << 10, Some(128 << 10)),
                 stores: Stores::Plain,
-                medians: [us(14), us(10)],
+                medians: [Some(us(14)), Some(us(10)), None],
                 changed: true,
             }]
         );
@@ -307,6 +343,7 @@ mod tests {
         let (ways, verdicts) = run(&mut trial, 100 << 10, CYCLE, |w| match w {
             Stores::Plain => us(30),
             Stores::NonTemporal => us(12),
+            Stores::PlainSlots => unreachable!("tried from LARGE only"),
         });
         assert_eq!(verdicts.len(), 1);
         assert_eq!(verdicts[0].stores, Stores::NonTemporal);
@@ -321,20 +358,32 @@ mod tests {
     }
 
     #[test]
-    fn large_calls_alternate_call_by_call_and_time_each() {
+    fn large_calls_take_three_ways_call_by_call_and_time_each() {
         let mut trial = StoreTrial::default();
         let (ways, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS + 2, |w| match w {
             Stores::Plain => us(900),
             Stores::NonTemporal => us(1500),
+            Stores::PlainSlots => us(700),
         });
         let tried = SINGLE_TRIAL_CALLS as usize;
         for (i, w) in ways[..tried].iter().enumerate() {
-            assert_eq!(*w, Stores::WAYS[i % 2], "call {i}");
+            assert_eq!(*w, Stores::WAYS[i % 3], "call {i}");
         }
-        assert_eq!(ways[tried..], [Stores::Plain; 2]);
+        assert_eq!(ways[tried..], [Stores::PlainSlots; 2]);
+        assert!(Stores::PlainSlots.streams_results() && !Stores::PlainSlots.streams_slots());
         assert_eq!(verdicts.len(), 1);
         assert_eq!(verdicts[0].bytes, (LARGE, Some(2 * LARGE)));
-        assert_eq!(verdicts[0].medians, [us(1500), us(900)]);
+        assert_eq!(
+            verdicts[0].medians,
+            [Some(us(1500)), Some(us(900)), Some(us(700))]
+        );
+        // The next trial follows the machine to everything plain.
+        let mut trial = StoreTrial::default();
+        let (_, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS, |w| match w {
+            Stores::Plain => us(600),
+            _ => us(800),
+        });
+        assert_eq!(verdicts[0].stores, Stores::Plain);
         // The largest calls share one group.
         let (_, verdicts) = run(&mut trial, usize::MAX, SINGLE_TRIAL_CALLS, |_| us(1));
         assert_eq!(verdicts[0].bytes, (LARGEST_GROUP, None));
@@ -355,6 +404,7 @@ mod tests {
                     Stores::Plain if n.is_multiple_of(4) => us(500),
                     Stores::Plain => us(5),
                     Stores::NonTemporal => us(8),
+                    Stores::PlainSlots => unreachable!("tried from LARGE only"),
                 };
                 verdict = trial.record(s, t).or(verdict);
             }
@@ -378,6 +428,7 @@ mod tests {
             (8192, Stores::NonTemporal) => us(2),
             (_, Stores::Plain) => us(9),
             (_, Stores::NonTemporal) => us(3),
+            (_, Stores::PlainSlots) => unreachable!("tried from LARGE only"),
         };
         let mut chosen = Vec::new();
         for _ in 0..PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS {
