@@ -13,11 +13,12 @@
 //! Simple FIFOs of the default shape (8 × 128 KiB): each copies its message into two
 //! slots, then the peer's two slots out. That is what the FIFOs cost a large message
 //! whatever the engine does: a 2-rank ring all-reduce of 512 KiB makes two such
-//! exchanges. Measured 2026-11-29 on an Intel Xeon host, the threads in two processes
-//! (a C model of this loop): 36–40 µs a round (copies into slots 14–17 GB/s, out of
-//! them 13–15), where Intel MPI's whole 512 KiB all-reduce took 75–80 µs.
+//! exchanges. Measured 2026-11-29 on an Intel Xeon host (vCPUs 0.15–0.2 µs apart):
+//! 37.4–39.5 µs a round, as a C model of the loop with the two sides in two processes
+//! (36–40 µs: copies into slots at 14–17 GB/s, out of them at 13–15), where Intel MPI's
+//! whole 512 KiB all-reduce took 75–80 µs and ferroccl's 80–87.
 
-use std::sync::mpsc;
+use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
@@ -38,18 +39,15 @@ fn fifo(tag: &str, g: Geometry) -> (SendEnd, RecvEnd) {
     (tx, rx)
 }
 
-/// Pins this thread to `cpu` when the machine has it (a round between two threads on
-/// one CPU measures the scheduler, not the hand-off).
-fn pin(cpu: usize) {
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) <= cpu {
-        return;
-    }
-    // SAFETY: `set` is a plain bit set that lives for the call; sched_setaffinity reads
-    // it for its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+/// Pins this thread to the `i`-th CPU this process could use when it started (a round
+/// between two threads on one CPU measures the scheduler, not the hand-off); nothing
+/// where there is no such CPU. The list is read once: a thread started after the main
+/// thread pinned itself inherits that one CPU.
+fn pin(i: usize) {
+    static CPUS: OnceLock<Vec<usize>> = OnceLock::new();
+    let cpus = CPUS.get_or_init(|| ferroccl::topo::available_cpus().unwrap_or_default());
+    if let Some(&cpu) = cpus.get(i) {
+        ferroccl::topo::pin_thread_to(cpu).unwrap();
     }
 }
 
