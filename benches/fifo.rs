@@ -83,39 +83,63 @@ fn exchange<const N: usize>(tx: &mut SendEnd, rx: &mut RecvEnd, own: f32, rounds
     std::hint::black_box(sum)[0]
 }
 
-fn ll_exchange(c: &mut Criterion) {
-    let mut group = c.benchmark_group("ll_fifo_exchange_2_threads");
+/// Times rounds on two threads pinned to the first two CPUs, each holding the sending
+/// end into its peer's FIFO of shape `g` and the receiving end out of its own: `side0`
+/// runs the rounds criterion times, `side1` as many on the other thread. Each side's
+/// function runs `rounds` rounds and checks what it received.
+fn on_two_threads(
+    c: &mut Criterion,
+    group: &str,
+    id: BenchmarkId,
+    g: Geometry,
+    mut side0: impl FnMut(&mut SendEnd, &mut RecvEnd, u64),
+    mut side1: impl FnMut(&mut SendEnd, &mut RecvEnd, u64) + Send,
+) {
+    let (mut tx01, mut rx01) = fifo(&format!("{group}-01"), g);
+    let (mut tx10, mut rx10) = fifo(&format!("{group}-10"), g);
+    let mut group = c.benchmark_group(group);
     group
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    let g = Geometry::ll(8, 16 << 10);
-    let (mut tx01, mut rx01) = fifo("01", g);
-    let (mut tx10, mut rx10) = fifo("10", g);
     std::thread::scope(|s| {
         let (rounds_tx, rounds_rx) = mpsc::channel::<u64>();
         s.spawn(move || {
             pin(1);
             for rounds in rounds_rx {
-                // The peer of rank 0's rounds: 1 + 2 = 3 in every slot.
-                let last = exchange::<2>(&mut tx10, &mut rx01, 2.0, rounds);
-                assert!(rounds == 0 || last == 3.0, "rank 1 summed {last}");
+                side1(&mut tx10, &mut rx01, rounds);
             }
         });
         pin(0);
-        group.bench_function(BenchmarkId::new("f32", 8), |b| {
+        group.bench_function(id, |b| {
             b.iter_custom(|rounds| {
                 rounds_tx.send(rounds).unwrap();
                 let start = Instant::now();
-                let last = exchange::<2>(&mut tx01, &mut rx10, 1.0, rounds);
-                let took = start.elapsed();
-                assert!(rounds == 0 || last == 3.0, "rank 0 summed {last}");
-                took
+                side0(&mut tx01, &mut rx10, rounds);
+                start.elapsed()
             })
         });
         drop(rounds_tx);
     });
     group.finish();
+}
+
+fn ll_exchange(c: &mut Criterion) {
+    // Each side sums 1 + 2 = 3 in every element.
+    let side = |own: f32| {
+        move |tx: &mut SendEnd, rx: &mut RecvEnd, rounds| {
+            let last = exchange::<2>(tx, rx, own, rounds);
+            assert!(rounds == 0 || last == 3.0, "side {own} summed {last}");
+        }
+    };
+    on_two_threads(
+        c,
+        "ll_fifo_exchange_2_threads",
+        BenchmarkId::new("f32", 8),
+        Geometry::ll(8, 16 << 10),
+        side(1.0),
+        side(2.0),
+    );
 }
 
 /// Bytes each side sends per round of [`simple_exchange`]: two slots.
@@ -153,49 +177,31 @@ fn bulk_exchange(tx: &mut SendEnd, rx: &mut RecvEnd, mine: &[u8], theirs: &mut [
 }
 
 fn simple_exchange(c: &mut Criterion) {
-    let mut group = c.benchmark_group("simple_fifo_exchange_2_threads");
-    group
-        .sample_size(20)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2));
+    // Side 0 sends ones and side 1 twos, from buffers each side keeps for every round.
+    let side = |own: u8| {
+        let (mine, mut theirs) = (vec![own; BULK], vec![0u8; BULK]);
+        move |tx: &mut SendEnd, rx: &mut RecvEnd, rounds| {
+            bulk_exchange(tx, rx, &mine, &mut theirs, rounds);
+            let want = 3 - own;
+            assert!(
+                rounds == 0 || theirs.iter().all(|&b| b == want),
+                "side {own}"
+            );
+        }
+    };
     let g = Geometry {
         slots: 8,
         slot_bytes: 128 << 10,
         protocol: Protocol::Simple,
     };
-    let (mut tx01, mut rx01) = fifo("s01", g);
-    let (mut tx10, mut rx10) = fifo("s10", g);
-    std::thread::scope(|s| {
-        let (rounds_tx, rounds_rx) = mpsc::channel::<u64>();
-        s.spawn(move || {
-            pin(1);
-            let (mine, mut theirs) = (vec![2u8; BULK], vec![0u8; BULK]);
-            for rounds in rounds_rx {
-                bulk_exchange(&mut tx10, &mut rx01, &mine, &mut theirs, rounds);
-                assert!(
-                    rounds == 0 || theirs.iter().all(|&b| b == 1),
-                    "rank 1 got other bytes"
-                );
-            }
-        });
-        pin(0);
-        let (mine, mut theirs) = (vec![1u8; BULK], vec![0u8; BULK]);
-        group.bench_function(BenchmarkId::new("bytes_each_way", BULK), |b| {
-            b.iter_custom(|rounds| {
-                rounds_tx.send(rounds).unwrap();
-                let start = Instant::now();
-                bulk_exchange(&mut tx01, &mut rx10, &mine, &mut theirs, rounds);
-                let took = start.elapsed();
-                assert!(
-                    rounds == 0 || theirs.iter().all(|&b| b == 2),
-                    "rank 0 got other bytes"
-                );
-                took
-            })
-        });
-        drop(rounds_tx);
-    });
-    group.finish();
+    on_two_threads(
+        c,
+        "simple_fifo_exchange_2_threads",
+        BenchmarkId::new("bytes_each_way", BULK),
+        g,
+        side(1),
+        side(2),
+    );
 }
 
 criterion_group!(benches, ll_exchange, simple_exchange);

@@ -11,7 +11,10 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{
+    BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main,
+};
 use ferroccl::reduce::{Kernel, VectorIsa, copy, cpu_vector_isa, limit_vector_isa};
 use ferroccl::{Element, F8E4M3, ReduceOp};
 use half::{bf16, f16};
@@ -84,16 +87,23 @@ fn bench_copy(c: &mut Criterion) {
     group.finish();
 }
 
+/// A group of short runs (10 samples of a second) over `bytes` bytes each: for work
+/// that stays in the cache.
+fn short_group<'a>(c: &'a mut Criterion, name: &str, bytes: usize) -> BenchmarkGroup<'a, WallTime> {
+    let mut group = c.benchmark_group(name);
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(300));
+    group.measurement_time(Duration::from_secs(1));
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group
+}
+
 /// A slice copied from a page-aligned slot into a buffer at `distance` bytes past a page
 /// (`malloc`'s large blocks start 16 bytes in): `memcpy` against [`copy::copy`], which
 /// avoids `rep movsb` at distances of 1–63 bytes (`ferroccl::reduce::copy`).
 fn bench_slot_copy(c: &mut Criterion) {
     const SLICE: usize = 16 << 10;
-    let mut group = c.benchmark_group("slot_copy");
-    group.sample_size(10);
-    group.warm_up_time(Duration::from_millis(300));
-    group.measurement_time(Duration::from_secs(1));
-    group.throughput(Throughput::Bytes(SLICE as u64));
+    let mut group = short_group(c, "slot_copy", SLICE);
     let mut slot = vec![0u8; SLICE + 4096];
     let mut out = vec![0u8; SLICE + 8192];
     let s = slot
@@ -124,11 +134,7 @@ fn bench_slot_copy(c: &mut Criterion) {
 /// did, a C model of the loop lost 18 % to the split stores (24 against 29 GB/s).
 fn bench_line_offset(c: &mut Criterion) {
     const BYTES: usize = 256 << 10;
-    let mut group = c.benchmark_group("reduce_line_offset");
-    group.sample_size(10);
-    group.warm_up_time(Duration::from_millis(300));
-    group.measurement_time(Duration::from_secs(1));
-    group.throughput(Throughput::Bytes(BYTES as u64));
+    let mut group = short_group(c, "reduce_line_offset", BYTES);
     let k = Kernel::new(ferroccl::DataType::Float32, ReduceOp::Sum, 2).unwrap();
     let mut bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; BYTES + 128]).collect();
     let lines: Vec<*mut u8> = bufs
