@@ -923,26 +923,7 @@ impl Communicator {
         if let Some(v) = trial.record(sample, elapsed)
             && v.changed
         {
-            let what = match v.bytes.0 < crate::tune::stores::LARGE {
-                true => "slots towards far peers",
-                false => "results and slots towards far peers",
-            };
-            let upto = v.bytes.1.map_or("".into(), |b| format!("–{} KiB", b >> 10));
-            let medians: Vec<String> = v
-                .medians
-                .into_iter()
-                .zip(Stores::WAYS)
-                .filter_map(|(m, way)| {
-                    Some(format!("{:.1} µs {}", m?.as_secs_f64() * 1e6, way.name()))
-                })
-                .collect();
-            tracing::debug!(
-                "rank {}: calls of {} KiB{upto} now write {what} with {} (medians: {})",
-                self.rank,
-                v.bytes.0 >> 10,
-                v.stores.name(),
-                medians.join(", "),
-            );
+            tracing::debug!("rank {}: {v}", self.rank);
         }
     }
 

@@ -258,20 +258,16 @@ impl Kernel {
     /// `count` elements of [`dtype`](Self::dtype); `dst` may be exactly equal to `a` or to
     /// `b` (in place) but must not partially overlap either. No alignment requirement.
     pub unsafe fn reduce(&self, dst: *mut u8, a: *const u8, b: *const u8, count: usize) {
-        let elem = self.dtype.size();
-        let head = line_head(dst, elem, count);
-        if head > 0 {
-            // SAFETY (block): the caller's contract; the head and the rest split all
-            // three regions at the same element, so an in-place call stays in place.
-            unsafe {
+        let head = line_head(dst, self.dtype.size(), count);
+        let at = head * self.dtype.size();
+        // SAFETY (block): the caller's contract; the head (often empty) and the rest split
+        // all three regions at the same element, so an in-place call stays in place.
+        unsafe {
+            if head > 0 {
                 self.reduce_from(dst, a, b, head);
-                let at = head * elem;
-                self.reduce_from(dst.add(at), a.add(at), b.add(at), count - head);
             }
-            return;
+            self.reduce_from(dst.add(at), a.add(at), b.add(at), count - head);
         }
-        // SAFETY: the caller's contract.
-        unsafe { self.reduce_from(dst, a, b, count) }
     }
 
     /// [`reduce`](Self::reduce) as the kernels run it, wherever `dst` starts.

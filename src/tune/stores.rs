@@ -176,6 +176,35 @@ pub struct Verdict {
     pub changed: bool,
 }
 
+impl std::fmt::Display for Verdict {
+    /// The log's line: e.g. `calls of 256 KiB–512 KiB now write slots towards far peers
+    /// with plain stores (medians: 18.4 µs non-temporal stores, 16.0 µs plain stores)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.bytes.0 < LARGE {
+            true => "slots towards far peers",
+            false => "results and slots towards far peers",
+        };
+        write!(f, "calls of {} KiB", self.bytes.0 >> 10)?;
+        if let Some(end) = self.bytes.1 {
+            write!(f, "–{} KiB", end >> 10)?;
+        }
+        write!(
+            f,
+            " now write {what} with {} (medians: ",
+            self.stores.name()
+        )?;
+        let tried = self.medians.iter().zip(Stores::WAYS);
+        for (i, (m, way)) in tried
+            .filter_map(|(m, w)| Some((m.as_ref()?, w)))
+            .enumerate()
+        {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{:.1} µs {}", m.as_secs_f64() * 1e6, way.name())?;
+        }
+        write!(f, ")")
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Group {
     /// Position of the next call in its cycle.
@@ -388,6 +417,34 @@ mod tests {
         let (_, verdicts) = run(&mut trial, usize::MAX, SINGLE_TRIAL_CALLS, |_| us(1));
         assert_eq!(verdicts[0].bytes, (LARGEST_GROUP, None));
         assert_eq!(trial.trials_done(LARGEST_GROUP * 3), 1);
+    }
+
+    #[test]
+    fn a_verdict_reads_as_the_log_prints_it() {
+        let small = Verdict {
+            bytes: (256 << 10, Some(512 << 10)),
+            stores: Stores::Plain,
+            medians: [Some(us(18)), Some(us(16)), None],
+            changed: true,
+        };
+        assert_eq!(
+            small.to_string(),
+            "calls of 256 KiB–512 KiB now write slots towards far peers with plain stores \
+             (medians: 18.0 µs non-temporal stores, 16.0 µs plain stores)"
+        );
+        let largest = Verdict {
+            bytes: (LARGEST_GROUP, None),
+            stores: Stores::PlainSlots,
+            medians: [Some(us(30)), Some(us(40)), Some(us(20))],
+            changed: true,
+        };
+        assert_eq!(
+            largest.to_string(),
+            "calls of 2097152 KiB now write results and slots towards far peers with plain \
+             stores for slots and non-temporal ones for results (medians: 30.0 µs \
+             non-temporal stores, 40.0 µs plain stores, 20.0 µs plain stores for slots and \
+             non-temporal ones for results)"
+        );
     }
 
     #[test]
