@@ -290,13 +290,19 @@ pub fn nvidia_lib(which: &str) -> std::path::PathBuf {
     root.join(String::from_utf8_lossy(&out.stdout).trim())
 }
 
-/// Points ferroccl at NVRTC from the `nvidia-cuda-nvrtc` wheel and returns its
-/// directory. Call it before anything compiles.
+/// Points ferroccl at NVRTC from the `nvidia-cuda-nvrtc` wheel and, unless
+/// `FERROCCL_CACHE_DIR` names another, at the run's cubin cache ([`cubin_cache`]);
+/// returns NVRTC's directory. Call it before anything compiles.
 pub fn nvrtc_from_pypi() -> std::path::PathBuf {
     let dir = nvidia_lib("nvrtc");
-    // SAFETY: set before ferroccl reads it (once, on its first compilation); the tests
-    // that call this set the same value.
-    unsafe { std::env::set_var("FERROCCL_NVRTC", &dir) };
+    // SAFETY: set before ferroccl reads them (once, on its first compilation); the
+    // tests that call this set the same values.
+    unsafe {
+        std::env::set_var("FERROCCL_NVRTC", &dir);
+        if std::env::var_os("FERROCCL_CACHE_DIR").is_none() {
+            std::env::set_var("FERROCCL_CACHE_DIR", cubin_cache());
+        }
+    }
     dir
 }
 
