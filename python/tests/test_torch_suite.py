@@ -19,17 +19,30 @@ HERE = Path(__file__).resolve().parent
 REPORT = HERE.parent.parent / "target" / "torch-suite-report.txt"
 
 
-def run_suite(backend: str, tmp: Path) -> dict:
+def start_suite(backend: str, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+    """Starts the suite on ``backend``; it writes its results to the returned JUnit file."""
     xml = tmp / f"{backend}.xml"
     env = dict(os.environ, BACKEND=backend, WORLD_SIZE="3", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "dist_suite.py"],
         cwd=HERE,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=3000,
     )
+    return proc, xml
+
+
+def suite_results(proc: subprocess.Popen[str], xml: Path) -> dict:
+    """Waits for a suite started by ``start_suite`` and counts its JUnit results."""
+    try:
+        out, _ = proc.communicate(timeout=3000)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the suite ran past 3000 s:\n{out[-3000:]}") from None
+    assert xml.exists(), f"the suite wrote no results (exit {proc.returncode}):\n{out[-3000:]}"
     counts: collections.Counter[str] = collections.Counter()
     skips: collections.Counter[str] = collections.Counter()
     failed: list[str] = []
@@ -43,11 +56,14 @@ def run_suite(backend: str, tmp: Path) -> dict:
             skips[(s.get("message") or "").strip()[:140]] += 1
         else:
             counts["passed"] += 1
-    return {"counts": counts, "skips": skips, "failed": failed, "tail": proc.stdout[-3000:]}
+    return {"counts": counts, "skips": skips, "failed": failed, "tail": out[-3000:]}
 
 
 def test_pytorch_distributed_suite(tmp_path: Path) -> None:
-    results = {b: run_suite(b, tmp_path) for b in ("ferroccl", "gloo")}
+    # Both at once: a run waits more than it computes (the Gloo one alone: 113 s for
+    # 70 s of CPU on two cores), as the suite polls for its rank processes.
+    started = {b: start_suite(b, tmp_path) for b in ("ferroccl", "gloo")}
+    results = {b: suite_results(*s) for b, s in started.items()}
     lines = []
     for backend, r in results.items():
         c = r["counts"]
