@@ -13,12 +13,20 @@ pub fn root() -> PathBuf {
 }
 
 /// Runs `cmd`, failing the test (naming `what`) if it does not succeed.
+/// Its time goes to stderr past the test harness's capture, so that CI's log shows it.
 pub fn run(what: &str, cmd: &mut Command) {
     eprintln!("python tests: {what}: {cmd:?}");
+    let started = std::time::Instant::now();
     let status = cmd
         .status()
         .unwrap_or_else(|e| panic!("{what}: cannot start {cmd:?}: {e}"));
     assert!(status.success(), "{what} failed ({status}): {cmd:?}");
+    let line = format!(
+        "python tests: {what}: {:.0} s\n",
+        started.elapsed().as_secs_f64()
+    );
+    // A failed write to stderr loses only the timing line.
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
 }
 
 /// The virtualenv, made (or brought up to the pinned requirements) if need be. Not safe
