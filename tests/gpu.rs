@@ -307,6 +307,15 @@ fn int_input(r: usize, len: usize) -> Vec<i32> {
     (0..len).map(|i| (i * 31 + r * 7) as i32 - 1000).collect()
 }
 
+/// The element-wise sum of ranks `0..n`'s inputs of `len` elements: an all-reduce's
+/// result.
+fn int_sum(n: usize, len: usize) -> Vec<i32> {
+    let inputs: Vec<Vec<i32>> = (0..n).map(|r| int_input(r, len)).collect();
+    (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect()
+}
+
 /// How a device-path check runs its calls.
 #[derive(Clone, Copy, Debug)]
 struct Shape {
@@ -719,10 +728,7 @@ fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
             s.spawn(move || {
                 let (outcome, got) = all_reduce_on_a_stream_of_its_own(ctx, c);
                 outcome.unwrap();
-                let want: Vec<i32> = (0..COUNT)
-                    .map(|i| (0..n).map(|r| int_input(r, COUNT)[i]).sum())
-                    .collect();
-                assert_eq!(got, want);
+                assert_eq!(got, int_sum(n, COUNT));
             });
         }
     });
@@ -895,9 +901,7 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
     let comms = Communicator::init_all_with(n, device_config(Protocol::Simple)).unwrap();
     let sizes = [1usize, 4099, COUNT, 17];
     let sum_of = |len: usize, times: i32| -> Vec<i32> {
-        (0..len)
-            .map(|i| (0..n).map(|r| int_input(r, len)[i]).sum::<i32>() * times)
-            .collect()
+        int_sum(n, len).iter().map(|x| x * times).collect()
     };
     std::thread::scope(|s| {
         for c in &comms {
