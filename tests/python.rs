@@ -4,8 +4,9 @@
 //! It provisions what they need itself: a virtualenv at `target/pyenv` with torch (from
 //! PyPI, about 5.5 GB; a later run reuses it), numpy, pytest, maturin and ruff, pinned in
 //! `python/requirements-test.txt`. Then it builds and installs the extension module with
-//! maturin, lints the package with ruff, and runs `pytest python/tests`. Nothing here
-//! skips: a machine that cannot reach the package registry fails this test.
+//! maturin, lints the package with ruff, and runs `pytest python/tests` (its slowest
+//! tests named in the log). Nothing here skips: a machine that cannot reach the package
+//! registry fails this test.
 
 mod pyenv;
 // The simulated CUDA driver, for the device tests one level below torch.
@@ -45,7 +46,15 @@ fn python_package_and_torch_backend() {
     run(
         "pytest",
         python_tool(&venv, "python")
-            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--durations=8",
+                "tests",
+            ])
             .env("PYTHONWARNINGS", "ignore::FutureWarning")
             .env("FERROCCL_TEST_SIM_ENV", simulated_driver_env()),
     );
