@@ -433,12 +433,15 @@ impl<'a> DeviceRank<'a> {
     }
 }
 
-/// Bus bandwidth of each library per size, out of place, and ferroccl's share of NCCL's.
+/// Each library's speed per size, out of place, and ferroccl's share of NCCL's: the time
+/// of a call below 4 KiB, the algorithm bandwidth above. (Not the bus bandwidth: it is
+/// zero for one rank, whose all-reduce moves nothing between ranks, and for more ranks
+/// its ratio is the algorithm bandwidth's.)
 pub fn comparison(sweeps: &[(Library, Vec<Row>)]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "#\n# Side by side (out of place): busbw GB/s, and time us below 4 KiB\n#{:>12} {:>10} {:>12} {:>12} {:>8}",
+        "#\n# Side by side (out of place): algbw GB/s, and time us below 4 KiB\n#{:>12} {:>10} {:>12} {:>12} {:>8}",
         "size", "type", "ferroccl", "NCCL", "ratio"
     );
     let find = |lib: Library| sweeps.iter().find(|(l, _)| *l == lib).map(|(_, r)| r);
@@ -450,7 +453,7 @@ pub fn comparison(sweeps: &[(Library, Vec<Row>)]) -> String {
         let (x, y) = if small {
             (a.out_of_place.time_us, b.out_of_place.time_us)
         } else {
-            (a.out_of_place.busbw, b.out_of_place.busbw)
+            (a.out_of_place.algbw, b.out_of_place.algbw)
         };
         // Larger is better for bandwidth, smaller for time.
         let ratio = match (small, x > 0.0 && y > 0.0) {
@@ -469,4 +472,74 @@ pub fn comparison(sweeps: &[(Library, Vec<Row>)]) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DataType;
+
+    fn row(size: usize, time_us: f64, ranks: usize) -> Row {
+        let algbw = size as f64 / time_us / 1e3;
+        let measure = Measure {
+            time_us,
+            algbw,
+            busbw: algbw * 2.0 * (ranks - 1) as f64 / ranks as f64,
+            wrong: Some(0),
+        };
+        Row {
+            size,
+            count: size / 4,
+            dtype: DataType::Float32,
+            op: None,
+            root: None,
+            out_of_place: measure,
+            in_place: Some(measure),
+            algorithm: String::new(),
+            rank: 0,
+        }
+    }
+
+    /// The ratios column of `comparison` for ferroccl's and NCCL's times of the same sizes.
+    fn ratios(sizes: &[usize], ours: &[f64], theirs: &[f64], ranks: usize) -> Vec<f64> {
+        let rows = |times: &[f64]| {
+            sizes
+                .iter()
+                .zip(times)
+                .map(|(&size, &t)| row(size, t, ranks))
+                .collect()
+        };
+        let table = comparison(&[
+            (Library::Ferroccl, rows(ours)),
+            (Library::Nccl, rows(theirs)),
+        ]);
+        table
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| {
+                let last = l.split_whitespace().last().expect("a ratio");
+                last.trim_end_matches('x').parse().expect("a number")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_rank_and_several_compare_alike_at_every_size() {
+        // One rank: its bus bandwidth is zero, and the ratio must still be NCCL's time
+        // over ferroccl's (an H200 run printed NaN for every size from 4 KiB).
+        let sizes = [8, 2048, 8192, 1 << 20, 512 << 20];
+        let ours = [10.0, 12.0, 20.0, 40.0, 27_000.0];
+        let theirs = [5.0, 6.0, 5.0, 10.0, 270.0];
+        for ranks in [1, 2, 8] {
+            let got = ratios(&sizes, &ours, &theirs, ranks);
+            assert_eq!(got.len(), sizes.len(), "{ranks} ranks");
+            for ((g, o), t) in got.iter().zip(ours).zip(theirs) {
+                assert!(
+                    (g - t / o).abs() < 0.006,
+                    "{ranks} ranks: {g} against {}",
+                    t / o
+                );
+            }
+        }
+    }
 }
