@@ -18,7 +18,8 @@
 //! - **two-shot**: a direct reduce-scatter and a direct all-gather, two hand-offs and
 //!   the ring's bytes, plus the fold of what the reduce-scatter gathered (received into
 //!   scratch, then reduced: one more pass over it): `2α + 2(n−1)/n·S/β +
-//!   (n−1)/n·S/β_local`;
+//!   (n−1)/n·S/β_local`; over single copy the reads land in a cache-sized staging
+//!   buffer and are folded from there, without that pass: `2α + 2(n−1)/n·S/β`;
 //! - **tree** (double binary tree over hosts, chain inside): the data goes up and comes
 //!   back down, `d = ⌈log₂ h⌉` network levels and `k−1` chain links each way, pipelined
 //!   in chunks so the bandwidth term is paid about twice over the network, plus the
@@ -401,8 +402,15 @@ impl CostModel {
                     + (q + 1.0) / 2.0 * (n1 * s / pace.beta + n1 * n1 / n * s / self.local.beta)
             }
             Algorithm::TwoShot => {
+                // Through the FIFOs the reduce-scatter's blocks land in scratch and are
+                // folded in one more pass; a single-copy read lands in a cache-sized
+                // staging buffer and is folded from there, as the ring's slices are.
+                let fold = match choice.protocol {
+                    Protocol::SingleCopy => 0.0,
+                    _ => n1 / n * s / self.local.beta,
+                };
                 2.0 * two_shot_round * pace.alpha
-                    + round_bytes * (2.0 * n1 / n * s / pace.beta + n1 / n * s / self.local.beta)
+                    + round_bytes * (2.0 * n1 / n * s / pace.beta + fold)
             }
             Algorithm::Doubling => {
                 // log₂ p rounds on one peer each (p the largest power of two not above
@@ -640,6 +648,42 @@ mod tests {
         Shape {
             crowding: Crowding { ranks, cpus },
             ..shape(ranks, 1)
+        }
+    }
+
+    /// A two-shot over single copy folds what it reads from a cache-sized staging
+    /// buffer, with no pass over scratch: priced so, 8 ranks on 2 CPUs reading each
+    /// other's buffers in place take it from 512 KiB, where the ring was picked and
+    /// measured 1.2–1.5× slower (2026-11-29, an Intel host, far, busbw out of place:
+    /// windows, 8 rank processes, 512 KiB–8 MiB 2.10–2.63 against 1.53–1.76; 8 rank
+    /// threads 1.93–2.46 against 1.57–1.76), while the ring keeps 128 KiB (1.73 against
+    /// 1.29–1.38 for the ring, forced) and plain buffers keep the FIFOs.
+    #[test]
+    fn crowded_ranks_reading_in_place_take_the_two_shot_over_single_copy() {
+        let mut in_place = CostModel::default();
+        in_place.local_single = in_place.local_in_place;
+        let eight = on_cpus(8, 2);
+        let pick = |m: &CostModel, bytes| {
+            m.best(
+                Collective::AllReduce,
+                bytes,
+                eight,
+                &Algorithm::ALL,
+                &Protocol::ALL,
+            )
+        };
+        let two_shot_single = Choice {
+            algorithm: Algorithm::TwoShot,
+            protocol: Protocol::SingleCopy,
+        };
+        assert_eq!(pick(&in_place, 128 << 10), Choice::RING_SIMPLE);
+        for bytes in [512 << 10, 2 << 20, 8 << 20] {
+            assert_eq!(pick(&in_place, bytes), two_shot_single, "{bytes} B");
+        }
+        // Plain buffers between processes (single copy through the kernel) keep the ring.
+        let plain = CostModel::default();
+        for bytes in [512 << 10, 2 << 20, 8 << 20] {
+            assert_eq!(pick(&plain, bytes), Choice::RING_SIMPLE, "{bytes} B");
         }
     }
 
