@@ -330,6 +330,16 @@ impl CostModel {
         })
     }
 
+    /// This model for ranks that read each other's buffers in place (threads of one
+    /// process, or buffers in windows every peer mapped): a single copy is a pointer
+    /// read, priced as `local_in_place`.
+    pub fn reading_in_place(self) -> CostModel {
+        CostModel {
+            local_single: self.local_in_place,
+            ..self
+        }
+    }
+
     /// The link inside a host with `protocol`.
     fn local(&self, protocol: Protocol) -> LinkCost {
         match protocol {
@@ -660,8 +670,7 @@ mod tests {
     /// 1.29–1.38 for the ring, forced) and plain buffers keep the FIFOs.
     #[test]
     fn crowded_ranks_reading_in_place_take_the_two_shot_over_single_copy() {
-        let mut in_place = CostModel::default();
-        in_place.local_single = in_place.local_in_place;
+        let in_place = CostModel::default().reading_in_place();
         let eight = on_cpus(8, 2);
         let pick = |m: &CostModel, bytes| {
             m.best(

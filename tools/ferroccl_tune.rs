@@ -153,7 +153,7 @@ fn predict(args: PredictArgs) -> Result<(), String> {
         }
     }
     if args.in_place {
-        model.local_single = model.local_in_place;
+        model = model.reading_in_place();
     }
     let ranks = args.ranks;
     let hosts = args.hosts.clamp(1, ranks.max(1));

@@ -37,14 +37,11 @@ impl Planner {
         let single_copy = memory.is_ok();
         let in_process = memory.is_ok_and(|m| m.all_in_process());
         if in_process {
-            model.local_single = model.local_in_place;
+            model = model.reading_in_place();
         }
         let planner = Planner::new(config, hosts, config.channels, model, single_copy, crowded);
         let windowed = (single_copy && !in_process).then(|| {
-            let model = CostModel {
-                local_single: model.local_in_place,
-                ..model
-            };
+            let model = model.reading_in_place();
             Planner::new(config, hosts, config.channels, model, single_copy, crowded)
         });
         (planner, windowed)
