@@ -61,7 +61,9 @@
 //! drains or fills (TCP, RDMA) do not rotate: their messages are placed at the slot's
 //! start.
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use super::segment::Segment;
 use crate::error::{Error, Result};
@@ -293,7 +295,7 @@ fn rotation(geometry: Geometry, counter: u32, len: usize) -> usize {
 /// 9). The engine writes slots towards a far peer with non-temporal stores, which reach
 /// the reader through memory instead (6 GB/s in the far placement, but 23–35 % slower
 /// than plain stores in the near one, hence the measurement).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct HandoffClock {
     /// Hand-offs timed in the current window.
     timed: u32,
@@ -301,6 +303,8 @@ struct HandoffClock {
     slow: u32,
     /// The last full window's verdict: most of its hand-offs were slow.
     far: bool,
+    /// [`HandoffClock::FAR`] in time-stamp counter cycles.
+    far_cycles: u64,
 }
 
 impl HandoffClock {
@@ -308,14 +312,28 @@ impl HandoffClock {
     /// and a look that finds the line already fetched (this VM's time-stamp counter
     /// also reads 0 for many) makes one fast, in either placement.
     const WINDOW: u32 = 16;
-    /// Slower than this, in time-stamp counter cycles, is far: 0.1 µs at 3 GHz. Measured
-    /// here (2.6 GHz): 0–130 cycles near, 340–470 far.
-    const FAR_CYCLES: u64 = 300;
+    /// A hand-off slower than this is far. Measured on this project's VMs: 0.04–0.05 µs
+    /// near, 0.14–0.26 µs far (`ferroccl-limits`' floor). It was 300 counter cycles until
+    /// 2026-11-30, 0.1 µs at 3 GHz; but the counter runs at the host's own rate (2.6 GHz
+    /// on the Zen hosts, 2.1 on the Intel ones), and at 2.1 GHz 300 cycles are 0.14 µs,
+    /// inside the far range: 2 ranks far, 2 MiB, 500 calls, the verdict changed 177–190
+    /// times (twice with this threshold, both to far).
+    const FAR: Duration = Duration::from_nanos(100);
+
+    /// A clock with no hand-off timed yet and its sender near.
+    fn new() -> Self {
+        HandoffClock {
+            timed: 0,
+            slow: 0,
+            far: false,
+            far_cycles: counter_cycles_per_ms() * Self::FAR.as_nanos() as u64 / 1_000_000,
+        }
+    }
 
     /// Counts one hand-off; returns the new verdict when a full window changes it.
     fn record(&mut self, cycles: u64) -> Option<bool> {
         self.timed += 1;
-        self.slow += u32::from(cycles > Self::FAR_CYCLES);
+        self.slow += u32::from(cycles > self.far_cycles);
         if self.timed == Self::WINDOW {
             let far = self.slow > Self::WINDOW / 2;
             if far != self.far {
@@ -325,7 +343,7 @@ impl HandoffClock {
                     if far { "far" } else { "near" },
                     self.slow,
                     Self::WINDOW,
-                    Self::FAR_CYCLES
+                    self.far_cycles
                 );
             }
             let changed = far != self.far;
@@ -336,6 +354,29 @@ impl HandoffClock {
         }
         None
     }
+}
+
+/// How long the time-stamp counter is measured against the monotonic clock.
+const COUNTER_CALIBRATION: Duration = Duration::from_millis(1);
+
+/// The time-stamp counter's cycles per millisecond (0 where there is no such counter),
+/// measured once per process against the monotonic clock: both run at a constant rate
+/// whatever the core does, so a spin that the scheduler interrupts still measures it.
+fn counter_cycles_per_ms() -> u64 {
+    static PER_MS: OnceLock<u64> = OnceLock::new();
+    *PER_MS.get_or_init(|| {
+        if !cfg!(target_arch = "x86_64") {
+            return 0;
+        }
+        let start = Instant::now();
+        let (elapsed, cycles) = timed(|| {
+            while start.elapsed() < COUNTER_CALIBRATION {
+                std::hint::spin_loop();
+            }
+            start.elapsed()
+        });
+        (u128::from(cycles) * 1_000_000 / elapsed.as_nanos().max(1)) as u64
+    })
 }
 
 /// Runs `load` and counts the time-stamp counter cycles it took (0 where there is no
@@ -399,7 +440,7 @@ pub fn recv_end(seg: Segment, geometry: Geometry) -> Result<RecvEnd> {
         tail: 0,
         head_seen: 0,
         rotating: false,
-        handoffs: HandoffClock::default(),
+        handoffs: HandoffClock::new(),
     })
 }
 
@@ -884,7 +925,7 @@ mod tests {
 
     #[test]
     fn a_sender_is_far_when_most_hand_offs_of_a_window_are_slow() {
-        let slow = HandoffClock::FAR_CYCLES + 1;
+        let slow = HandoffClock::new().far_cycles + 1;
         let g = Geometry {
             slots: 4,
             slot_bytes: 64,
@@ -910,9 +951,27 @@ mod tests {
         // An interrupt (one huge look) does not keep a near sender far.
         rx.judge_handoff(u64::MAX);
         for _ in 1..HandoffClock::WINDOW {
-            rx.judge_handoff(HandoffClock::FAR_CYCLES);
+            rx.judge_handoff(rx.handoffs.far_cycles);
         }
         assert!(!rx.handoffs.far && !tx.receiver_finds_far());
+    }
+
+    /// The far threshold is 0.1 µs of the time-stamp counter at this host's rate, not a
+    /// fixed count of cycles: checked against the counter's cycles over a 20 ms sleep.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_far_threshold_is_a_tenth_of_a_microsecond_at_the_counters_rate() {
+        let start = Instant::now();
+        let (elapsed, cycles) = timed(|| {
+            std::thread::sleep(Duration::from_millis(20));
+            start.elapsed()
+        });
+        let expected = cycles as f64 * 100.0 / elapsed.as_nanos() as f64;
+        let far = HandoffClock::new().far_cycles as f64;
+        assert!(
+            (far / expected - 1.0).abs() < 0.2,
+            "{far} cycles against {expected:.0} for 0.1 µs"
+        );
     }
 
     /// An LL receiver times the look that finds a message only when asked to (long
