@@ -426,6 +426,7 @@ impl Communicator {
                 .unwrap_or(1),
             crowding: conns.crowding(),
         };
+        let store_trial = StoreTrial::new(nranks, config.channels, config.slot_bytes);
         Ok(Communicator {
             rank,
             nranks,
@@ -449,7 +450,7 @@ impl Communicator {
                 device: None,
                 windows: HashMap::new(),
                 windows_made: 0,
-                store_trial: StoreTrial::default(),
+                store_trial,
             }),
             splits: AtomicU64::new(0),
             turns: Turns::default(),

@@ -30,15 +30,18 @@
 //!
 //! Calls are grouped by size in powers of two from [`SMALLEST`] (smaller calls write
 //! slices too short to stream and results too small). Below [`LARGE`],
-//! [`PAIRED_TRIAL_CALLS`] calls of every cycle, from call [`PAIRED_TRIAL_FROM`] on (once
-//! the receivers have had the hand-offs to measure far), alternate the two ways in pairs, and the
-//! second call of each pair is timed (the first one finds the caches as the other way
-//! left them); from [`LARGE`], where the buffers outgrow the caches and calls are few and
-//! long, the first [`SINGLE_TRIAL_CALLS`] take the ways in turn call by call and each is
-//! timed. The way with the lowest median time is used until the next cycle.
+//! [`PAIRED_TRIAL_CALLS`] calls of every cycle, from the call by which the receivers have
+//! had the hand-offs to measure far ([`paired_trial_from`]: call 2–32 for calls of many
+//! slices, [`PAIRED_TRIAL_FROM`] for calls of one or two), alternate the two ways in
+//! pairs, and the second call of each pair is timed (the first one finds the caches as
+//! the other way left them); from [`LARGE`], where the buffers outgrow the caches and
+//! calls are few and long, the first [`SINGLE_TRIAL_CALLS`] take the ways in turn call by
+//! call and each is timed. The way with the lowest median time is used until the next
+//! cycle.
 //!
-//! Where the trial falls is decided by the count of calls of the group alone, so ranks
-//! that make the same calls in the same order try the same way on the same call. Ranks
+//! Where the trial falls is decided by the count of calls of the group alone (and the
+//! communicator's shape, the same on every rank), so ranks that make the same calls in
+//! the same order try the same way on the same call. Ranks
 //! that do not (point-to-point calls of different sizes) or whose timings disagree only
 //! lose time: the way bytes are stored never changes what they are.
 
@@ -104,7 +107,8 @@ pub const PAIRED_TRIAL_CALLS: u32 = (2 * 2 * PAIRED_SAMPLES) as u32;
 /// Calls a trial takes from [`LARGE`]: single calls, taking the three ways in turn.
 pub const SINGLE_TRIAL_CALLS: u32 = (3 * SINGLE_SAMPLES) as u32;
 
-/// Where in its cycle a trial below [`LARGE`] begins. Non-temporal stores differ from
+/// Where in its cycle a trial below [`LARGE`] begins at the latest (calls that make few
+/// hand-offs; see [`paired_trial_from`] for the others). Non-temporal stores differ from
 /// plain ones only towards a peer that measures far, and a receiver says so after 16
 /// timed hand-offs (`transport::fifo`: every one of a Simple FIFO, one in
 /// [`LL_TIMED_EVERY`](crate::transport::fifo::LL_TIMED_EVERY) of an LL one, so 64 LL messages); a call of a few slices makes one
@@ -115,6 +119,30 @@ pub const SINGLE_TRIAL_CALLS: u32 = (3 * SINGLE_SAMPLES) as u32;
 /// cycle; the next trial chose non-temporal ones on every rank. Larger calls make 16
 /// hand-offs in their first call.
 pub const PAIRED_TRIAL_FROM: u32 = 96;
+
+/// Hand-offs each FIFO a call uses makes before a trial of its size begins: two of the
+/// receivers' windows of 16, so a verdict on the sender is there and has had one more
+/// window to settle.
+const HANDOFFS_BEFORE_TRIAL: usize = 32;
+
+/// Where in its cycle a trial of calls of at least `bytes` (below [`LARGE`]) begins on a
+/// communicator of `ranks` ranks, `channels` channels and FIFO slots of `slot_bytes`:
+/// once every FIFO the calls use has made [`HANDOFFS_BEFORE_TRIAL`] hand-offs, and at
+/// [`PAIRED_TRIAL_FROM`] at the latest. A collective of `bytes` moves at least
+/// `bytes / ranks` through each FIFO it uses, split among the channels (all-to-all; the
+/// two-shot twice that, the ring `2(ranks − 1) / ranks` times it, one-shot, the tree,
+/// doubling and broadcast all of it), in slices of at most one slot. So short runs (the
+/// README's sweep makes 25 calls of each size) reach the trial where their calls are long
+/// enough to measure far at once: 2 ranks, 128 KiB slots, 2 MiB calls at call 4, where
+/// every size waited for call 96 before (found 2026-11-29, when plain slot stores beat the
+/// default by 10–30 % at 32 KiB–8 MiB on an Intel host and the sweep never tried them).
+pub fn paired_trial_from(bytes: usize, ranks: usize, channels: usize, slot_bytes: usize) -> u32 {
+    let per_fifo = bytes / (ranks.max(1) * channels.max(1));
+    match per_fifo / slot_bytes.max(1) {
+        0 => PAIRED_TRIAL_FROM,
+        handoffs => (HANDOFFS_BEFORE_TRIAL.div_ceil(handoffs) as u32).min(PAIRED_TRIAL_FROM),
+    }
+}
 
 /// Calls of one size group from the start of one trial to the next.
 pub const CYCLE: u32 = 1024;
@@ -209,6 +237,8 @@ impl std::fmt::Display for Verdict {
 struct Group {
     /// Position of the next call in its cycle.
     position: u32,
+    /// Where in the cycle its trial begins.
+    from: u32,
     times: [[Duration; PAIRED_SAMPLES]; 3],
     chosen: Stores,
     /// Trials completed.
@@ -221,21 +251,24 @@ pub struct StoreTrial {
     groups: [Group; GROUPS],
 }
 
-impl Default for StoreTrial {
-    fn default() -> Self {
-        let group = Group {
-            position: 0,
-            times: [[Duration::ZERO; PAIRED_SAMPLES]; 3],
-            chosen: Stores::NonTemporal,
-            trials: 0,
-        };
+impl StoreTrial {
+    /// The trials of a communicator of `ranks` ranks, `channels` channels and FIFO slots
+    /// of `slot_bytes` ([`paired_trial_from`]).
+    pub fn new(ranks: usize, channels: usize, slot_bytes: usize) -> Self {
         StoreTrial {
-            groups: [group; GROUPS],
+            groups: std::array::from_fn(|group| Group {
+                position: 0,
+                from: match paired(group) {
+                    true => paired_trial_from(group_start(group), ranks, channels, slot_bytes),
+                    false => 0,
+                },
+                times: [[Duration::ZERO; PAIRED_SAMPLES]; 3],
+                chosen: Stores::NonTemporal,
+                trials: 0,
+            }),
         }
     }
-}
 
-impl StoreTrial {
     /// How the next call of `bytes` writes what it would write past the caches, and
     /// whether its time is a sample of a trial (then pass it to [`StoreTrial::record`]).
     /// Calls below [`SMALLEST`] are not tried and may stream (they never reach a
@@ -251,10 +284,7 @@ impl StoreTrial {
         g.position = (position + 1) % CYCLE;
         let paired = paired(group);
         let ways = ways_of(group).len();
-        let (per_way, from) = match paired {
-            true => (2, PAIRED_TRIAL_FROM),
-            false => (1, 0),
-        };
+        let (per_way, from) = (if paired { 2 } else { 1 }, g.from);
         if position < from || position >= from + (ways * samples_of(group)) as u32 * per_way {
             return (g.chosen, None);
         }
@@ -318,6 +348,9 @@ impl StoreTrial {
 mod tests {
     use super::*;
 
+    /// The FIFO slots of the default configuration.
+    const SLOT: usize = 128 << 10;
+
     /// Runs `calls` calls of `bytes`, timing each way as `time` says; returns the ways
     /// used and the verdicts.
     fn run(
@@ -344,7 +377,7 @@ mod tests {
 
     #[test]
     fn the_faster_way_wins_and_is_kept_until_the_next_trial() {
-        let mut trial = StoreTrial::default();
+        let mut trial = StoreTrial::new(2, 1, SLOT);
         let plain_faster = |w| match w {
             Stores::Plain => us(10),
             Stores::NonTemporal => us(14),
@@ -386,9 +419,41 @@ mod tests {
         assert_eq!(trial.trials_done(100 << 10), 2);
     }
 
+    /// A trial waits for the hand-offs that let the receivers measure far: calls of
+    /// many slices reach it within a few calls (a short sweep's 25 calls), calls of one
+    /// or two at `PAIRED_TRIAL_FROM`, and more ranks, channels or larger slots (fewer
+    /// hand-offs a call on each FIFO) push it later.
+    #[test]
+    fn a_trial_begins_once_the_calls_have_made_the_hand_offs_to_measure_far() {
+        // 2 ranks, one channel, 128 KiB slots: 2 MiB calls move 1 MiB per FIFO, 8 slots.
+        assert_eq!(paired_trial_from(2 << 20, 2, 1, SLOT), 4);
+        assert_eq!(paired_trial_from(4 << 20, 2, 1, SLOT), 2);
+        assert_eq!(paired_trial_from(512 << 10, 2, 1, SLOT), 16);
+        assert_eq!(paired_trial_from(256 << 10, 2, 1, SLOT), 32);
+        // Less than a slot per FIFO: the latest start.
+        assert_eq!(paired_trial_from(128 << 10, 2, 1, SLOT), PAIRED_TRIAL_FROM);
+        assert_eq!(paired_trial_from(SMALLEST, 2, 1, SLOT), PAIRED_TRIAL_FROM);
+        // 8 ranks, 2 channels, or 512 KiB slots: fewer hand-offs a call, a later start.
+        assert_eq!(paired_trial_from(2 << 20, 8, 1, SLOT), 16);
+        assert_eq!(paired_trial_from(2 << 20, 2, 2, SLOT), 8);
+        assert_eq!(paired_trial_from(2 << 20, 2, 1, 4 * SLOT), 16);
+        assert_eq!(paired_trial_from(1 << 30, 2, 1, SLOT), 1);
+        // A short sweep (5 warm-up calls and 20 timed) of 2 MiB calls on 2 ranks ends its
+        // trial inside the sweep and uses the faster way after it.
+        let mut trial = StoreTrial::new(2, 1, SLOT);
+        let (ways, verdicts) = run(&mut trial, 2 << 20, 25, |w| match w {
+            Stores::Plain => us(400),
+            _ => us(500),
+        });
+        assert_eq!(ways[..4], [Stores::NonTemporal; 4]);
+        assert_eq!(verdicts.len(), 1);
+        assert_eq!(verdicts[0].stores, Stores::Plain);
+        assert_eq!(ways[4 + PAIRED_TRIAL_CALLS as usize..], [Stores::Plain]);
+    }
+
     #[test]
     fn large_calls_take_three_ways_call_by_call_and_time_each() {
-        let mut trial = StoreTrial::default();
+        let mut trial = StoreTrial::new(2, 1, SLOT);
         let (ways, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS + 2, |w| match w {
             Stores::Plain => us(900),
             Stores::NonTemporal => us(1500),
@@ -407,7 +472,7 @@ mod tests {
             [Some(us(1500)), Some(us(900)), Some(us(700))]
         );
         // The next trial follows the machine to everything plain.
-        let mut trial = StoreTrial::default();
+        let mut trial = StoreTrial::new(2, 1, SLOT);
         let (_, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS, |w| match w {
             Stores::Plain => us(600),
             _ => us(800),
@@ -449,7 +514,7 @@ mod tests {
 
     #[test]
     fn the_median_ignores_a_few_outliers() {
-        let mut trial = StoreTrial::default();
+        let mut trial = StoreTrial::new(2, 1, SLOT);
         let mut n = 0u32;
         let mut verdict = None;
         for _ in 0..PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS {
@@ -473,7 +538,7 @@ mod tests {
 
     #[test]
     fn sizes_are_tried_apart_and_small_calls_are_not_timed() {
-        let mut trial = StoreTrial::default();
+        let mut trial = StoreTrial::new(2, 1, SLOT);
         for bytes in [0, 1, SMALLEST - 1] {
             assert_eq!(trial.next(bytes), (Stores::NonTemporal, None), "{bytes}");
             assert_eq!(trial.trials_done(bytes), 0);
@@ -498,15 +563,17 @@ mod tests {
                 }
             }
         }
+        // The 1 MiB calls measure far sooner (8 hand-offs each on 2 ranks), so their
+        // trial ends first.
         assert_eq!(
             chosen,
-            [(8192, Stores::Plain), (1 << 20, Stores::NonTemporal)]
+            [(1 << 20, Stores::NonTemporal), (8192, Stores::Plain)]
         );
         // Just below `LARGE`, calls are still tried in pairs; a tie keeps non-temporal
         // stores.
-        let calls = PAIRED_TRIAL_FROM + PAIRED_TRIAL_CALLS;
-        let (ways, verdicts) = run(&mut trial, LARGE - 1, calls, |_| us(1));
-        let from = PAIRED_TRIAL_FROM as usize;
+        let from = paired_trial_from(LARGE / 2, 2, 1, SLOT);
+        let (ways, verdicts) = run(&mut trial, LARGE - 1, from + PAIRED_TRIAL_CALLS, |_| us(1));
+        let from = from as usize;
         assert_eq!(
             ways[from..from + 4],
             [
