@@ -123,7 +123,7 @@ pub const PAIRED_TRIAL_FROM: u32 = 96;
 /// Hand-offs each FIFO a call uses makes before a trial of its size begins: two of the
 /// receivers' windows of 16, so a verdict on the sender is there and has had one more
 /// window to settle.
-const HANDOFFS_BEFORE_TRIAL: usize = 32;
+pub const HANDOFFS_BEFORE_TRIAL: usize = 32;
 
 /// Where in its cycle a trial of calls of at least `bytes` (below [`LARGE`]) begins on a
 /// communicator of `ranks` ranks, `channels` channels and FIFO slots of `slot_bytes`:
