@@ -23,6 +23,7 @@ use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 /// | `FERROCCL_CHUNK_SIZE` | `chunk_bytes` | half of a FIFO of `slots` (of `crowded_slots` where some host's ranks outnumber its cores) |
 /// | `FERROCCL_TRANSPORT` (`auto`, `shm`, `tcp`) | `transport` | auto |
 /// | `FERROCCL_SLOT_STORES` (`auto`, `plain`, `streaming`) | `slot_stores` | auto |
+/// | `FERROCCL_SLOT_EXCHANGE` (`1`/`0`) | `slot_exchange` | on |
 /// | `FERROCCL_ALGO` (`NCCL_ALGO`): `ring`, `tree`, `oneshot`, `twoshot`, lists, `^` to exclude | `algorithms` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_DETERMINISTIC` (`1`/`0`) | `deterministic` | off |
 /// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
@@ -73,6 +74,11 @@ pub struct CommConfig {
     /// calls time faster ([`crate::tune::stores`], which with auto also decides whether
     /// results of 8 MiB or more are streamed).
     pub slot_stores: SlotStores,
+    /// Whether the two Simple FIFOs between two ranks of one host exchange slots: a
+    /// rank writes what it sends into the memory it has just drained of what its peer
+    /// sent it, which its cache holds, instead of into memory the peer's cache holds
+    /// (see [`crate::transport::fifo`], "Slots that change direction").
+    pub slot_exchange: bool,
     /// The algorithms the cost model may choose from (one to force it), for the
     /// collectives each applies to ([`Algorithm::applies_to`]).
     pub algorithms: Vec<Algorithm>,
@@ -119,6 +125,7 @@ impl Default for CommConfig {
             chunk_bytes: half_fifo(slots, slot_bytes),
             transport: TransportChoice::Auto,
             slot_stores: SlotStores::Auto,
+            slot_exchange: true,
             algorithms: Algorithm::ALL.to_vec(),
             deterministic: false,
             protocols: Protocol::ALL.to_vec(),
@@ -185,17 +192,11 @@ impl CommConfig {
         if let Some((var, list)) = env_first(&["FERROCCL_ALGO", "NCCL_ALGO"]) {
             c.algorithms = parse_algorithms(var, &list)?;
         }
-        if let Ok(v) = std::env::var("FERROCCL_DETERMINISTIC") {
-            c.deterministic = match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => true,
-                "" | "0" | "false" | "no" | "off" => false,
-                _ => {
-                    return Err(Error::Env {
-                        var: "FERROCCL_DETERMINISTIC".into(),
-                        detail: format!("{v:?} is not 1 or 0"),
-                    });
-                }
-            };
+        if let Some(on) = env_switch("FERROCCL_DETERMINISTIC")? {
+            c.deterministic = on;
+        }
+        if let Some(on) = env_switch("FERROCCL_SLOT_EXCHANGE")? {
+            c.slot_exchange = on;
         }
         if let Some((var, list)) = env_first(&["FERROCCL_PROTO", "NCCL_PROTO"]) {
             c.protocols = parse_protocols(var, &list)?;
@@ -294,6 +295,10 @@ impl CommConfig {
                 u8::from(self.deterministic).to_string(),
             ),
             ("FERROCCL_TRANSPORT", format!("{:?}", self.transport)),
+            (
+                "FERROCCL_SLOT_EXCHANGE",
+                u8::from(self.slot_exchange).to_string(),
+            ),
             ("FERROCCL_NCHANNELS", self.channels.to_string()),
             (
                 "device_channels",
@@ -387,6 +392,21 @@ impl CommConfig {
 
 /// Half a FIFO of `slots` slots of `bytes`: the most one ring step may move, so that every
 /// rank's first send fits in its FIFO and rings cannot deadlock.
+/// An on/off variable: `None` where unset, an error naming it where it is neither.
+fn env_switch(var: &str) -> Result<Option<bool>> {
+    let Ok(v) = std::env::var(var) else {
+        return Ok(None);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(Some(true)),
+        "" | "0" | "false" | "no" | "off" => Ok(Some(false)),
+        _ => Err(Error::Env {
+            var: var.into(),
+            detail: format!("{v:?} is not 1 or 0"),
+        }),
+    }
+}
+
 fn half_fifo(slots: usize, bytes: usize) -> usize {
     slots / 2 * bytes
 }

@@ -388,6 +388,7 @@ impl Communicator {
                 ll: config.ll_geometry(),
                 single_copy: config.protocols.contains(&Protocol::SingleCopy),
                 slot_stores: config.slot_stores,
+                slot_exchange: config.slot_exchange,
                 rings: rings.clone(),
                 choice: config.transport,
                 connect_timeout: config.bootstrap.timeout,

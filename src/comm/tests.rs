@@ -402,3 +402,67 @@ fn alternating_calls_keep_their_plans_and_stay_right() {
         );
     }
 }
+
+#[test]
+fn two_ranks_exchange_slots_unless_told_not_to_and_stay_right_either_way() {
+    // All-reduces (a ring of many slots each way, then prime and tiny counts) and
+    // broadcasts (one way only, so the swaps stop for want of a free slot the other
+    // way), in place and not, with the FIFOs' slots exchanged and kept.
+    for exchange in [true, false] {
+        let config = CommConfig {
+            timeout: std::time::Duration::from_secs(30),
+            slot_bytes: 4096,
+            chunk_bytes: 4 * 4096,
+            slot_exchange: exchange,
+            algorithms: vec![Algorithm::Ring],
+            ..CommConfig::default()
+        };
+        let cs = Communicator::init_all_with(2, config).unwrap();
+        on_all(&cs, |c| {
+            for (call, count) in [40_000usize, 100_003, 1, 7, 65_536, 40_000]
+                .into_iter()
+                .enumerate()
+            {
+                let send: Vec<f32> = (0..count)
+                    .map(|i| ((i * 7 + call) % 101 + 3 * c.rank()) as f32)
+                    .collect();
+                let want: Vec<f32> = (0..count)
+                    .map(|i| (2 * ((i * 7 + call) % 101) + 3) as f32)
+                    .collect();
+                let mut recv = vec![0f32; count];
+                c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+                assert_eq!(
+                    recv, want,
+                    "exchange {exchange}, count {count}, out of place"
+                );
+                let mut inplace = send.clone();
+                c.all_reduce_in_place(&mut inplace, ReduceOp::Sum).unwrap();
+                assert_eq!(
+                    inplace, want,
+                    "exchange {exchange}, count {count}, in place"
+                );
+                let root = call % 2;
+                let mut b: Vec<u32> = (0..count as u32)
+                    .map(|i| i ^ (c.rank() as u32 * 0x55))
+                    .collect();
+                let theirs: Vec<u32> = (0..count as u32)
+                    .map(|i| i ^ (root as u32 * 0x55))
+                    .collect();
+                c.broadcast_in_place(&mut b, root).unwrap();
+                assert_eq!(
+                    b, theirs,
+                    "exchange {exchange}, count {count}, broadcast from {root}"
+                );
+            }
+            let mut st = c.lock();
+            let peer = 1 - c.rank();
+            let (send, _) = st.conns.ends(0, Protocol::Simple, Some(peer), None);
+            assert_eq!(
+                send.expect("the ring's FIFO").exchanges_slots(),
+                exchange,
+                "rank {}",
+                c.rank()
+            );
+        });
+    }
+}

@@ -48,6 +48,9 @@ pub(super) struct LazyFifos {
     /// Whether the FIFOs rotate short messages through their slots
     /// ([`fifo::SendEnd::set_rotating`]: where every rank has a core of its own).
     pub(super) rotating: bool,
+    /// Whether the two Simple FIFOs between this rank and a peer exchange slots
+    /// ([`fifo::exchange_slots`]).
+    pub(super) slot_exchange: bool,
 }
 
 impl LazyFifos {
@@ -58,9 +61,11 @@ impl LazyFifos {
         routes: &Routes,
         formats: [Option<Geometry>; 2],
         rotating: bool,
+        slot_exchange: bool,
     ) -> Self {
         LazyFifos {
             rotating,
+            slot_exchange,
             store: boot.store().clone(),
             kinds: (0..routes.nranks)
                 .map(|p| {
@@ -154,6 +159,11 @@ impl Connections {
             for what in ["made", "opened"] {
                 let _ = self.lazy.store.delete(&key(f, ci, p, rank, what));
             }
+        }
+        // Both ranks of each new FIFO reach this point in the same call, before either
+        // uses it.
+        if self.lazy.slot_exchange {
+            super::exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank)?;
         }
         tracing::debug!(
             "rank {rank}: {} {} #{}: made FIFOs from {:?}, to {:?}",

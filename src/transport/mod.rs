@@ -145,6 +145,9 @@ pub struct TransportConfig {
     pub single_copy: bool,
     /// How slots towards peers on this host are written.
     pub slot_stores: SlotStores,
+    /// Whether the two Simple FIFOs between two ranks of this host exchange slots
+    /// ([`fifo::exchange_slots`]).
+    pub slot_exchange: bool,
     /// The ring of each collective channel (every channel connects every pair of ranks).
     pub rings: Vec<Vec<usize>>,
     /// Which transport to use.
@@ -422,6 +425,15 @@ impl Ends {
         each_local(&mut self.recvs, routes, |e| e.set_rotating(on));
     }
 
+    /// Where `on`, pairs this rank's Simple FIFOs to and from each peer of this host
+    /// to exchange slots ([`exchange_local_slots`]).
+    fn exchange_local_slots(&mut self, rank: usize, on: bool) -> Result<()> {
+        match on {
+            true => exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank),
+            false => Ok(()),
+        }
+    }
+
     /// None yet, for `channels` ring channels (and the point-to-point one) and `nranks`.
     fn new(channels: usize, nranks: usize) -> Self {
         Ends {
@@ -430,6 +442,36 @@ impl Ends {
             links: table(channels + 1, nranks),
         }
     }
+}
+
+/// Pairs every Simple FIFO this rank sends on towards a peer of this host with the one
+/// it receives on from the same peer on the same channel, where both exist and are not
+/// paired yet, so that the two exchange slots ([`fifo::exchange_slots`]). Every rank
+/// calls it at the same points (after establishment, after each connection phase), so
+/// both ranks of a pair pair their ends before either uses them again. FIFOs of a
+/// network link (`links`) are filled and drained by proxies and never pair.
+fn exchange_local_slots(
+    sends: &mut [Vec<Vec<Option<SendEnd>>>],
+    recvs: &mut [Vec<Vec<Option<RecvEnd>>>],
+    links: &[Vec<Option<NetLink>>],
+    rank: usize,
+) -> Result<()> {
+    let simple = Protocol::Simple.index();
+    for (ci, (to, from)) in sends[simple]
+        .iter_mut()
+        .zip(recvs[simple].iter_mut())
+        .enumerate()
+    {
+        for (peer, (send, recv)) in to.iter_mut().zip(from.iter_mut()).enumerate() {
+            let on_host = peer != rank && links[ci].get(peer).is_some_and(Option::is_none);
+            if let (Some(send), Some(recv), true) = (send, recv, on_host)
+                && !send.exchanges_slots()
+            {
+                fifo::exchange_slots(send, recv)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Says at INFO how this rank reaches its peers.
@@ -531,6 +573,7 @@ impl Connections {
         // sent yet.
         boot.barrier()?;
         ends.rotate_local(&routes, !oversubscribed);
+        ends.exchange_local_slots(rank, config.slot_exchange)?;
         if !oversubscribed {
             tracing::info!(
                 "rank {rank}: every rank here has a core: short messages rotate through \
@@ -559,7 +602,13 @@ impl Connections {
         drop(created);
         log_routes(&routes, config, local, &net, tcp_links);
         Ok(Connections {
-            lazy: lazy::LazyFifos::new(boot, &routes, [Some(local), config.ll], !oversubscribed),
+            lazy: lazy::LazyFifos::new(
+                boot,
+                &routes,
+                [Some(local), config.ll],
+                !oversubscribed,
+                config.slot_exchange,
+            ),
             rank,
             nranks: routes.nranks,
             channels: routes.channels,
@@ -1161,6 +1210,7 @@ mod tests {
             ll: None,
             single_copy: false,
             slot_stores: SlotStores::Auto,
+            slot_exchange: true,
             rings: vec![vec![0, 1]],
             choice: TransportChoice::Auto,
             connect_timeout: Duration::from_secs(1),
