@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     if let Ok(role) = std::env::var("FERROCCL_TEST_ROLE") {
         return ExitCode::from(child(&role));
     }
-    let tests: [(&str, PlainTest); 15] = [
+    let tests: [(&str, PlainTest); 16] = [
         ("grid_on_four_processes", || grid_on_processes(4, Net::Shm)),
         ("grid_on_three_processes_with_single_copy_forced", || {
             grid_on_processes(3, Net::ShmSingleCopy)
@@ -49,6 +49,9 @@ fn main() -> ExitCode {
             grid_on_processes(4, Net::ShmLL)
         }),
         ("grid_on_seven_processes", || grid_on_processes(7, Net::Shm)),
+        ("grid_on_two_processes_keeping_their_slots", || {
+            grid_on_processes(2, Net::ShmSlotsKept)
+        }),
         ("grid_on_three_processes_over_tcp", || {
             grid_on_processes(3, Net::Tcp)
         }),
@@ -101,6 +104,8 @@ fn config() -> CommConfig {
 enum Net {
     /// One host: shared memory.
     Shm,
+    /// As `Shm`, with the FIFOs' slots kept where they are (`FERROCCL_SLOT_EXCHANGE=0`).
+    ShmSlotsKept,
     /// As `Shm`, every call with the LL protocol (`FERROCCL_PROTO=LL`).
     ShmLL,
     /// One host, TCP forced between every pair.
@@ -145,6 +150,7 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
                 "NCCL_NCHANNELS",
                 "FERROCCL_SOCKET_NTHREADS",
                 "FERROCCL_NSOCKS_PERTHREAD",
+                "FERROCCL_SLOT_EXCHANGE",
             ] {
                 cmd.env_remove(var);
             }
@@ -163,11 +169,16 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
             if net == Net::ShmWindows {
                 cmd.env("FERROCCL_TEST_WINDOWS", "1");
             }
+            if net == Net::ShmSlotsKept {
+                cmd.env("FERROCCL_SLOT_EXCHANGE", "0")
+                    .env("FERROCCL_DEBUG", "INFO");
+            }
             if net == Net::ShmSingleCopyRefused && rank == 1 {
                 cmd.env("FERROCCL_TEST_REFUSE_CMA", "1");
             }
             match net {
                 Net::Shm
+                | Net::ShmSlotsKept
                 | Net::ShmLL
                 | Net::ShmSingleCopy
                 | Net::ShmSingleCopyRefused
@@ -257,8 +268,16 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
                     "single copy off: rank 1: the kernel refuses reading rank 0's memory",
                     "Operation not permitted",
                     "all_reduce of 262148 B uses ring/Simple",
+                    // By default the FIFOs of two processes exchange slots.
+                    "exchange slots (a rank sends in the memory it has just drained)",
                 ],
                 "/SingleCopy",
+            ),
+            // The variable reached the configuration: no FIFO exchanges slots (the
+            // grid's results were checked all the same).
+            Net::ShmSlotsKept => (
+                &["slot exchange off (FERROCCL_SLOT_EXCHANGE=0)"],
+                "exchange slots",
             ),
             _ => (&[], ""),
         };

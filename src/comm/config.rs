@@ -390,8 +390,6 @@ impl CommConfig {
     }
 }
 
-/// Half a FIFO of `slots` slots of `bytes`: the most one ring step may move, so that every
-/// rank's first send fits in its FIFO and rings cannot deadlock.
 /// An on/off variable: `None` where unset, an error naming it where it is neither.
 fn env_switch(var: &str) -> Result<Option<bool>> {
     let Ok(v) = std::env::var(var) else {
@@ -407,6 +405,8 @@ fn env_switch(var: &str) -> Result<Option<bool>> {
     }
 }
 
+/// Half a FIFO of `slots` slots of `bytes`: the most one ring step may move, so that every
+/// rank's first send fits in its FIFO and rings cannot deadlock.
 fn half_fifo(slots: usize, bytes: usize) -> usize {
     slots / 2 * bytes
 }

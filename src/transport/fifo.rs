@@ -401,6 +401,30 @@ impl Partner {
             Place::Partner(i) => self.shared.own_slot(i as usize),
         }
     }
+
+    /// The receiving end's part of the exchange: slot `drained` of `own` (this end's
+    /// FIFO) has been read; its memory goes to this rank's next untouched slot the other
+    /// way if that one is free, and the memory that slot had comes back in its place.
+    fn give_drained(&self, own: &Shared, drained: u32) {
+        let cursor = &self.cursor;
+        let untouched = cursor.untouched.load(Ordering::Relaxed);
+        let given = cursor.given.load(Ordering::Relaxed);
+        let next = if given.wrapping_sub(untouched) as i32 > 0 {
+            given
+        } else {
+            untouched
+        };
+        // The slot `next` must be free: the peer consumed its previous use (and with it
+        // may have placed memory there, which the acquire makes visible).
+        let consumed = self.shared.tail().load(Ordering::Acquire);
+        if next.wrapping_sub(consumed) < self.shared.geometry.slots as u32 {
+            let memory = own.place(drained);
+            let spare = self.shared.place(next);
+            self.shared.set_place(next, memory.seen_from_partner());
+            own.set_place(drained, spare.seen_from_partner());
+            cursor.given.store(next.wrapping_add(1), Ordering::Relaxed);
+        }
+    }
 }
 
 /// The use number in the header of the LL slot published as number `counter`: never 0
@@ -879,24 +903,7 @@ impl RecvEnd {
     /// direction").
     pub fn release(&mut self) {
         if let Some(partner) = &self.partner {
-            let cursor = &partner.cursor;
-            let untouched = cursor.untouched.load(Ordering::Relaxed);
-            let given = cursor.given.load(Ordering::Relaxed);
-            let next = if given.wrapping_sub(untouched) as i32 > 0 {
-                given
-            } else {
-                untouched
-            };
-            // The slot `next` must be free: the peer consumed its previous use (and
-            // with it may have placed memory there, which the acquire makes visible).
-            let consumed = partner.shared.tail().load(Ordering::Acquire);
-            if next.wrapping_sub(consumed) < partner.shared.geometry.slots as u32 {
-                let drained = self.shared.place(self.tail);
-                let spare = partner.shared.place(next);
-                partner.shared.set_place(next, drained.seen_from_partner());
-                self.shared.set_place(self.tail, spare.seen_from_partner());
-                cursor.given.store(next.wrapping_add(1), Ordering::Relaxed);
-            }
+            partner.give_drained(&self.shared, self.tail);
         }
         self.tail = self.tail.wrapping_add(1);
         self.shared.tail().store(self.tail, Ordering::Release);

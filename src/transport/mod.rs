@@ -426,12 +426,31 @@ impl Ends {
     }
 
     /// Where `on`, pairs this rank's Simple FIFOs to and from each peer of this host
-    /// to exchange slots ([`exchange_local_slots`]).
+    /// to exchange slots ([`exchange_local_slots`]), and says at INFO with which peers
+    /// it does, or that it is off.
     fn exchange_local_slots(&mut self, rank: usize, on: bool) -> Result<()> {
-        match on {
-            true => exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank),
-            false => Ok(()),
+        if !on {
+            tracing::info!(
+                "rank {rank}: slot exchange off (FERROCCL_SLOT_EXCHANGE=0): the FIFOs \
+                 between ranks of this host keep their slots"
+            );
+            return Ok(());
         }
+        exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank)?;
+        let simple = &self.sends[Protocol::Simple.index()];
+        let paired: std::collections::BTreeSet<usize> = simple
+            .iter()
+            .flat_map(|per_peer| per_peer.iter().enumerate())
+            .filter(|(_, end)| end.as_ref().is_some_and(SendEnd::exchanges_slots))
+            .map(|(peer, _)| peer)
+            .collect();
+        if !paired.is_empty() {
+            tracing::info!(
+                "rank {rank}: the FIFOs to and from ranks {paired:?} exchange slots (a rank \
+                 sends in the memory it has just drained)"
+            );
+        }
+        Ok(())
     }
 
     /// None yet, for `channels` ring channels (and the point-to-point one) and `nranks`.
@@ -463,8 +482,8 @@ fn exchange_local_slots(
         .enumerate()
     {
         for (peer, (send, recv)) in to.iter_mut().zip(from.iter_mut()).enumerate() {
-            let on_host = peer != rank && links[ci].get(peer).is_some_and(Option::is_none);
-            if let (Some(send), Some(recv), true) = (send, recv, on_host)
+            let other_on_host = peer != rank && on_host(links, ci, peer);
+            if let (Some(send), Some(recv), true) = (send, recv, other_on_host)
                 && !send.exchanges_slots()
             {
                 fifo::exchange_slots(send, recv)?;
@@ -472,6 +491,12 @@ fn exchange_local_slots(
         }
     }
     Ok(())
+}
+
+/// Whether `peer` is reached on channel index `ci` through memory this rank shares with
+/// it (or is this rank), not through a network link.
+fn on_host(links: &[Vec<Option<NetLink>>], ci: usize, peer: usize) -> bool {
+    links[ci].get(peer).is_some_and(Option::is_none)
 }
 
 /// Says at INFO how this rank reaches its peers.
@@ -740,7 +765,7 @@ impl Connections {
     /// the next rank of a ring judges this one; the FIFOs of the call's own protocol, so
     /// that the verdict is as recent as the calls that use it).
     pub fn streams_slots_to(&self, peer: usize, protocol: Protocol, may_stream: bool) -> bool {
-        let on_host = |ci: usize| self.links[ci].get(peer).is_some_and(Option::is_none);
+        let on_host = |ci: usize| on_host(&self.links, ci, peer);
         match self.slot_stores {
             SlotStores::Plain => false,
             SlotStores::Streaming => {
