@@ -276,7 +276,7 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
             // The variable reached the configuration: no FIFO exchanges slots (the
             // grid's results were checked all the same).
             Net::ShmSlotsKept => (
-                &["slot exchange off (FERROCCL_SLOT_EXCHANGE=0)"],
+                &["slot exchange off (FERROCCL_SLOT_EXCHANGE=0"],
                 "exchange slots",
             ),
             _ => (&[], ""),

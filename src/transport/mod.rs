@@ -431,8 +431,9 @@ impl Ends {
     fn exchange_local_slots(&mut self, rank: usize, on: bool) -> Result<()> {
         if !on {
             tracing::info!(
-                "rank {rank}: slot exchange off (FERROCCL_SLOT_EXCHANGE=0): the FIFOs \
-                 between ranks of this host keep their slots"
+                "rank {rank}: slot exchange off (FERROCCL_SLOT_EXCHANGE=0, or \
+                 CommConfig::slot_exchange): the FIFOs between ranks of this host keep \
+                 their slots"
             );
             return Ok(());
         }
