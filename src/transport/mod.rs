@@ -439,11 +439,16 @@ impl Ends {
         }
         exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank)?;
         let simple = &self.sends[Protocol::Simple.index()];
-        let paired: std::collections::BTreeSet<usize> = simple
-            .iter()
-            .flat_map(|per_peer| per_peer.iter().enumerate())
-            .filter(|(_, end)| end.as_ref().is_some_and(SendEnd::exchanges_slots))
-            .map(|(peer, _)| peer)
+        // Peers in order, each once (a peer's FIFOs on several channels pair alike), as
+        // the routes line lists them.
+        let paired: Vec<usize> = (0..simple.first().map_or(0, Vec::len))
+            .filter(|&peer| {
+                simple.iter().any(|per_peer| {
+                    per_peer[peer]
+                        .as_ref()
+                        .is_some_and(SendEnd::exchanges_slots)
+                })
+            })
             .collect();
         if !paired.is_empty() {
             tracing::info!(
