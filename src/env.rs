@@ -12,6 +12,23 @@ pub fn env_first<'a>(names: &[&'a str]) -> Option<(&'a str, String)> {
         .find_map(|&name| std::env::var(name).ok().map(|value| (name, value)))
 }
 
+/// An on/off variable: `None` where unset, an error naming it where it is neither.
+pub fn env_switch(var: &str) -> Result<Option<bool>> {
+    std::env::var(var).ok().map(|v| switch(var, &v)).transpose()
+}
+
+/// The value `v` of the on/off variable `var`.
+fn switch(var: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Env {
+            var: var.into(),
+            detail: format!("{v:?} is not 1 or 0"),
+        }),
+    }
+}
+
 /// The first of `names` that is set, read as a positive number (an error names the
 /// variable otherwise).
 pub fn env_number(names: &[&str]) -> Result<Option<f64>> {
@@ -29,4 +46,24 @@ pub fn env_number(names: &[&str]) -> Result<Option<f64>> {
         });
     }
     Ok(Some(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_switch_reads_the_usual_spellings_and_names_itself_otherwise() {
+        for on in ["1", "true", " YES ", "On"] {
+            assert!(switch("SOME_SWITCH", on).unwrap(), "{on:?}");
+        }
+        for off in ["", "0", "false", "no", "OFF"] {
+            assert!(!switch("SOME_SWITCH", off).unwrap(), "{off:?}");
+        }
+        let e = switch("SOME_SWITCH", "maybe").unwrap_err().to_string();
+        assert!(
+            e.contains("SOME_SWITCH") && e.contains("\"maybe\" is not 1 or 0"),
+            "{e}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::bootstrap::BootstrapOptions;
-use crate::env::{env_first, env_number};
+use crate::env::{env_first, env_number, env_switch};
 use crate::error::{Error, Result};
 use crate::plan::Algorithm;
 use crate::transport::fifo::{Geometry, Protocol};
@@ -387,21 +387,6 @@ impl CommConfig {
             return Err(Error::invalid("timeout of 0"));
         }
         Ok(())
-    }
-}
-
-/// An on/off variable: `None` where unset, an error naming it where it is neither.
-fn env_switch(var: &str) -> Result<Option<bool>> {
-    let Ok(v) = std::env::var(var) else {
-        return Ok(None);
-    };
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(Some(true)),
-        "" | "0" | "false" | "no" | "off" => Ok(Some(false)),
-        _ => Err(Error::Env {
-            var: var.into(),
-            detail: format!("{v:?} is not 1 or 0"),
-        }),
     }
 }
 

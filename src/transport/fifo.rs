@@ -394,9 +394,9 @@ impl ExchangeCursor {
 }
 
 impl Partner {
-    /// Where a slot lies that `own` (this end's FIFO) places at `place`.
-    fn resolve(&self, own: &Shared, place: Place) -> *mut u8 {
-        match place {
+    /// Where slot `counter` of `own` (this end's FIFO) lies.
+    fn resolve(&self, own: &Shared, counter: u32) -> *mut u8 {
+        match own.place(counter) {
             Place::Own(i) => own.own_slot(i as usize),
             Place::Partner(i) => self.shared.own_slot(i as usize),
         }
@@ -708,7 +708,7 @@ impl SendEnd {
             None => self.shared.message_start(counter),
             Some(partner) => {
                 ExchangeCursor::advance(&partner.cursor.untouched, counter.wrapping_add(1));
-                partner.resolve(&self.shared, self.shared.place(counter))
+                partner.resolve(&self.shared, counter)
             }
         }
     }
@@ -801,7 +801,7 @@ impl RecvEnd {
     fn message_ptr(&self, counter: u32, len: usize) -> *const u8 {
         let slot = match &self.partner {
             None => self.shared.slot_ptr(counter),
-            Some(partner) => partner.resolve(&self.shared, self.shared.place(counter)),
+            Some(partner) => partner.resolve(&self.shared, counter),
         };
         if !self.rotating {
             return slot;

@@ -106,6 +106,7 @@ const LARGEST_GROUP: usize = 1 << 31;
 /// faster or the trials choosing them, as the two-rank FIFOs' exchanged slots
 /// (`transport::fifo`) favour plain stores into lines the writer's cache holds.
 const BEFORE_FIRST_TRIAL: Stores = Stores::Plain;
+
 /// Timed calls of each way per trial below [`LARGE`].
 const PAIRED_SAMPLES: usize = 5;
 
