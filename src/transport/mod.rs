@@ -925,6 +925,17 @@ impl Connections {
     /// What this rank can tell about `peer`. `check_process` also asks the kernel
     /// whether its process still exists (a system call; the flags are free).
     pub fn peer_state(&self, peer: usize, check_process: bool) -> PeerState {
+        // The process is asked first and the flags read after: a peer that aborts closes
+        // its bell and links before it exits, so once it is seen gone, they show
+        // whatever it said on the way out. Read the other way round, a peer that aborted
+        // because of another rank and exited between the two looks (ranks that share a
+        // core are descheduled between any two instructions) would be blamed itself.
+        let exited = check_process
+            && self
+                .liveness
+                .get(peer)
+                .and_then(Option::as_ref)
+                .is_some_and(Liveness::has_exited);
         if let Some(Some(b)) = self.peer_bells.get(peer) {
             match b.closed() {
                 Closed::Open => {}
@@ -950,10 +961,7 @@ impl Connections {
         if links > 0 && closed == links {
             return PeerState::Closed(Closed::ByOwner);
         }
-        if check_process
-            && let Some(Some(l)) = self.liveness.get(peer)
-            && l.has_exited()
-        {
+        if exited {
             return PeerState::Exited;
         }
         PeerState::Alive
