@@ -24,17 +24,19 @@
 //!
 //! The cut link (veth in network namespaces) is in `tests/netns.rs`.
 
+mod common;
 mod ranks;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ExitCode};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use common::shm_left_by;
 use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::{Communicator, ReduceOp};
-use ranks::{Ended, PlainTest, TestFn, rank_command, run_tests, shm_left_by, wait_all};
+use ranks::{Ended, PlainTest, TestFn, rank_command, run_tests, wait_all};
 
 /// Exit code of a rank that saw the failure as an error.
 const SAW_FAILURE: i32 = 3;
@@ -305,8 +307,8 @@ fn check_survivors(ended: &[Ended], culprit: usize, skip: usize) -> Result<(), S
     Ok(())
 }
 
-fn no_shm_left(children_pids: &[u32]) -> Result<(), String> {
-    let left = shm_left_by(children_pids);
+fn no_shm_left(children_pids: &[u32], since: SystemTime) -> Result<(), String> {
+    let left = shm_left_by(children_pids, since);
     if left.is_empty() {
         Ok(())
     } else {
@@ -316,6 +318,7 @@ fn no_shm_left(children_pids: &[u32]) -> Result<(), String> {
 
 fn kill_row(step: &str, algo: Algo, proto: Proto, mode: Mode) -> Result<(), String> {
     let fault = format!("kill:{step}:{FAULT_CALL}");
+    let since = SystemTime::now();
     let children = spawn_ranks(algo, proto, mode, &fault, Duration::from_secs(60));
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let ended = wait_all(children, Duration::from_secs(120))?;
@@ -355,7 +358,7 @@ fn kill_row(step: &str, algo: Algo, proto: Proto, mode: Mode) -> Result<(), Stri
     if slowest > KILL_NOTICED_WITHIN {
         return Err(format!("survivors took {slowest:?} after the kill to fail"));
     }
-    no_shm_left(&pids)?;
+    no_shm_left(&pids, since)?;
     println!(
         "  {fault}: every survivor failed within {slowest:.1?}, e.g. {:?}",
         first_error(&ended[0])
@@ -373,6 +376,7 @@ fn first_error(e: &Ended) -> &str {
 fn stop_row(step: &str, algo: Algo) -> Result<(), String> {
     let fault = format!("stop:{step}:{FAULT_CALL}");
     let timeout = Duration::from_secs(2);
+    let since = SystemTime::now();
     let mut children = spawn_ranks(algo, Proto::Simple, Mode::Blocking, &fault, timeout);
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let victim = children.remove(VICTIM);
@@ -399,7 +403,7 @@ fn stop_row(step: &str, algo: Algo) -> Result<(), String> {
             "survivors took {took:?} with a {timeout:?} deadline"
         ));
     }
-    no_shm_left(&pids)?;
+    no_shm_left(&pids, since)?;
     println!(
         "  {fault}: survivors failed at the {timeout:?} deadline naming rank {VICTIM}, e.g. \
          {:?}; resumed, it said {:?}",
@@ -744,6 +748,7 @@ fn shm_full_host() -> u8 {
     }
     let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
     let start = Instant::now();
+    let since = SystemTime::now();
     let children: Vec<Child> = (0..NRANKS)
         .map(|rank| {
             rank_command("init-only")
@@ -791,7 +796,7 @@ fn shm_full_host() -> u8 {
         eprintln!("the ranks took {took:?} to fail");
         ok = false;
     }
-    let left = shm_left_by(&pids);
+    let left = shm_left_by(&pids, since);
     if !left.is_empty() {
         eprintln!("left in /dev/shm: {left:?}");
         ok = false;
@@ -1049,6 +1054,7 @@ fn capi_loop() -> u8 {
 
 fn c_abi_async_error() -> Result<(), String> {
     let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    let since = SystemTime::now();
     let children: Vec<Child> = (0..NRANKS)
         .map(|rank| {
             let mut cmd = rank_command("capi-loop");
@@ -1071,7 +1077,7 @@ fn c_abi_async_error() -> Result<(), String> {
         ));
     }
     check_survivors(&ended, VICTIM, VICTIM)?;
-    no_shm_left(&pids)?;
+    no_shm_left(&pids, since)?;
     println!("  e.g. {:?}", first_error(&ended[0]));
     Ok(())
 }
@@ -1274,6 +1280,7 @@ fn capi_shrink() -> u8 {
 /// Kills rank 2 of 4 during a sweep; the three survivors shrink and finish it.
 fn shrink_row(role: &str) -> Result<(), String> {
     let id = UniqueId::hosted_on(std::net::Ipv4Addr::LOCALHOST.into()).unwrap();
+    let since = SystemTime::now();
     let children: Vec<Child> = (0..NRANKS)
         .map(|rank| {
             let mut cmd = rank_command(role);
@@ -1322,7 +1329,7 @@ fn shrink_row(role: &str) -> Result<(), String> {
     if new_ranks != ["0", "1", "2"] {
         return Err(format!("new ranks {new_ranks:?}, want [0, 1, 2]"));
     }
-    no_shm_left(&pids)?;
+    no_shm_left(&pids, since)?;
     println!("  {}", ended[0].stdout.trim());
     Ok(())
 }

@@ -597,7 +597,7 @@ fn every_failing_driver_call_is_named_and_nothing_hangs() {
         let mut envs = extra.to_vec();
         envs.push(("FERROCCL_SIM_FAIL", call));
         envs.push(("FERROCCL_TIMEOUT", "30"));
-        let started = std::time::Instant::now();
+        let (started, since) = (std::time::Instant::now(), std::time::SystemTime::now());
         let out = on_simulated_gpus("all_reduce_perf", args, 2, &envs);
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         eprintln!("{call}: {:.1} s", started.elapsed().as_secs_f64());
@@ -610,7 +610,32 @@ fn every_failing_driver_call_is_named_and_nothing_hangs() {
             "{call} failing, {args}: the error does not name it:\n{stdout}\n{stderr}"
         );
         assert!(!stderr.contains("panicked"), "{call}, {args}:\n{stderr}");
+        // What a failing rank made (FIFOs staged through host memory, here when
+        // registering them fails) goes with it; the header names the rank processes.
+        let pids = header_pids(&stdout);
+        let left = common::shm_left_by(&pids, since);
+        assert!(
+            left.is_empty(),
+            "{call}, {args}: left in /dev/shm: {left:?}"
+        );
+        eprintln!("{call}: ranks {pids:?}, nothing left in /dev/shm");
     }
+}
+
+/// The process ids the header's `#  Rank  0 Group  0 Pid 1234 on …` lines name.
+fn header_pids(stdout: &str) -> Vec<u32> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("#  Rank"))
+        .filter_map(|l| {
+            l.split_once(" Pid ")?
+                .1
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
 }
 
 /// Two rank processes on one GPU in exclusive-process compute mode: the second cannot

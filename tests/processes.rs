@@ -12,15 +12,15 @@ mod ranks;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ExitCode};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use common::{collectives, ops, run_and_check_in};
+use common::{collectives, ops, run_and_check_in, shm_left_by};
 use ferroccl::bootstrap::UniqueId;
 use ferroccl::comm::CommConfig;
 use ferroccl::plan::Collective;
 use ferroccl::transport::window::SharedMemory;
 use ferroccl::{Communicator, DataType, ReduceOp};
-use ranks::{PlainTest, TestFn, rank_command, run_tests, shm_left_by, wait_all};
+use ranks::{PlainTest, TestFn, rank_command, run_tests, wait_all};
 
 const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
 /// Bytes of the window that holds every buffer of a rank with `Net::ShmWindows` (the
@@ -342,6 +342,7 @@ fn refuse_cross_memory_reads() {
 fn killed_rank_is_named(net: Net) -> Result<(), String> {
     let n = 4;
     let victim = 2;
+    let since = SystemTime::now();
     let mut children = spawn_ranks("loop", n, net);
     // Wait until every rank has completed an all-reduce, so all are mid-loop.
     for (rank, child) in children.iter_mut().enumerate() {
@@ -383,7 +384,7 @@ fn killed_rank_is_named(net: Net) -> Result<(), String> {
     if took > Duration::from_secs(10) {
         return Err(format!("survivors took {took:?} to give up"));
     }
-    let left = shm_left_by(&pids);
+    let left = shm_left_by(&pids, since);
     if !left.is_empty() {
         return Err(format!("left in /dev/shm: {left:?}"));
     }

@@ -15,7 +15,10 @@
 //! cannot reach each other's memory: a FIFO between them is staged through page-locked
 //! host memory instead, a shared-memory segment the receiver makes and both sides
 //! register with the driver (portable, mapped for the device), which the executor reads
-//! and writes as it would device memory, over PCIe. Said at INFO.
+//! and writes as it would device memory, over PCIe. Said at INFO. As between the host
+//! FIFOs, the segment's name goes once both sides have mapped it (the sender removes
+//! it), so a process that dies later leaves nothing in `/dev/shm`; each staged FIFO of a
+//! process has a name of its own, so communicators of one process never meet there.
 //!
 //! Connections are made on first use, for the FIFO ends a plan names, in three steps
 //! none of which waits on a later one, so no two ranks wait on each other: every rank
@@ -51,9 +54,9 @@ pub const DATA_OFFSET: u64 = 4096;
 /// Most slots a device FIFO may have (their counts must fit before the data).
 pub const MAX_SLOTS: usize = ((DATA_OFFSET - SIZES_OFFSET) / 4) as usize;
 
-const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIP3";
+const EXPORT_MAGIC: &[u8; 8] = b"FCCLCIP4";
 /// Bytes of a published FIFO: magic, process token, pid, device ordinal, staged flag,
-/// device address, IPC handle.
+/// staged segment's serial number, device address, IPC handle.
 const EXPORT_BYTES: usize = 8 + 8 + 4 + 4 + 4 + 4 + 8 + 64;
 /// Bytes of a sender's whereabouts: process token, host hash, device ordinal.
 const SENDER_BYTES: usize = 8 + 8 + 4;
@@ -80,6 +83,8 @@ pub struct Export {
     /// The FIFO is in page-locked host memory (the segment [`staged_name`] names), not
     /// on the receiver's GPU: the two GPUs have no P2P.
     pub staged: bool,
+    /// For a staged FIFO, the number in its segment's name (see [`staged_name`]).
+    pub serial: u32,
     /// The allocation's device address in the receiver's process.
     pub ptr: u64,
     /// Its CUDA IPC handle.
@@ -95,7 +100,7 @@ impl Export {
             .u32(self.pid)
             .u32(self.device)
             .u32(u32::from(self.staged))
-            .u32(0) // padding, so that `ptr` is 8-byte aligned
+            .u32(self.serial)
             .u64(self.ptr)
             .raw(&self.handle);
         w.into_vec()
@@ -113,12 +118,12 @@ impl Export {
         let read = |c: &mut Cursor<'_>| -> std::result::Result<Export, ParseError> {
             c.array::<8>()?;
             let (process, pid, device, staged) = (c.u64()?, c.u32()?, c.u32()?, c.u32()?);
-            c.u32()?;
             Ok(Export {
                 process,
                 pid,
                 device,
                 staged: staged != 0,
+                serial: c.u32()?,
                 ptr: c.u64()?,
                 handle: c.array()?,
             })
@@ -137,19 +142,29 @@ pub fn sender_key(channel: usize, from: usize, to: usize, protocol: Protocol) ->
     format!("cuda_ipc/sender/{channel}/{from}-{to}/{}", protocol.name())
 }
 
-/// The shared-memory segment of a staged FIFO whose receiver has process token
-/// `receiver` (unique on the host: the token is random per process).
+/// The shared-memory segment of the staged FIFO that `receiver` published: its process
+/// id (for whoever lists `/dev/shm`), process token (unique on the host, where pids of
+/// two namespaces may not be) and serial number, then what the FIFO carries.
 pub fn staged_name(
-    receiver: u64,
+    receiver: &Export,
     channel: usize,
     from: usize,
     to: usize,
     protocol: Protocol,
 ) -> String {
     format!(
-        "ferroccl-cudafifo-{receiver:016x}-{channel}-{from}-{to}-{}",
+        "ferroccl-cudafifo-{}-{:016x}-{}-{channel}-{from}-{to}-{}",
+        receiver.pid,
+        receiver.process,
+        receiver.serial,
         protocol.name()
     )
+}
+
+/// A new serial number for a staged FIFO of this process.
+fn next_staged_serial() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Where a FIFO's sender is: its process, host and GPU.
@@ -320,7 +335,13 @@ impl DeviceFifos {
         };
         // SAFETY: the segment stays mapped (in `segments`) until after the registration
         // is dropped (`registered` is cleared first).
-        let registered = unsafe { RegisteredHost::new(segment.as_ptr(), bytes)? };
+        let registered = unsafe { RegisteredHost::new(segment.as_ptr(), bytes) };
+        let registered = registered.inspect_err(|_| {
+            // Made here and never to be used: its sender must not find it.
+            if create {
+                Segment::unlink(SegmentKind::Shm, name);
+            }
+        })?;
         let device = registered.device();
         self.registered.push(registered);
         self.segments
@@ -383,6 +404,7 @@ impl DeviceFifos {
                 pid: std::process::id(),
                 device: here as u32,
                 staged: false,
+                serial: 0,
                 ptr: 0,
                 handle: [0; 64],
             };
@@ -394,8 +416,9 @@ impl DeviceFifos {
                     end.peer,
                     sender.device
                 );
-                let name = staged_name(process_token(), end.channel, end.peer, me, end.protocol);
                 export.staged = true;
+                export.serial = next_staged_serial();
+                let name = staged_name(&export, end.channel, end.peer, me, end.protocol);
                 self.staged(&name, allocation_bytes(&g), true)?
             } else {
                 let fifo = DeviceBuffer::zeroed(allocation_bytes(&g))?;
@@ -422,8 +445,11 @@ impl DeviceFifos {
             store.wait(&[&k], timeout)?;
             let export = Export::decode(&k, &store.get(&k)?)?;
             let base = if export.staged {
-                let name = staged_name(export.process, end.channel, me, end.peer, end.protocol);
-                self.staged(&name, allocation_bytes(&g), false)?
+                let name = staged_name(&export, end.channel, me, end.peer, end.protocol);
+                let base = self.staged(&name, allocation_bytes(&g), false);
+                // Both sides have it mapped (or this side never will): the name can go.
+                Segment::unlink(SegmentKind::Shm, &name);
+                base?
             } else if export.process == process_token() {
                 // Same process: the receiver's pointer, reachable once peer access to
                 // its GPU is on (IPC handles cannot be opened in their own process).
@@ -459,11 +485,16 @@ mod tests {
             pid: 4242,
             device: 3,
             staged: true,
+            serial: 77,
             ptr: 0x7f00_0000_1000,
             handle: std::array::from_fn(|i| i as u8),
         };
         assert_eq!(e.encode().len(), EXPORT_BYTES);
         assert_eq!(Export::decode("k", &e.encode()).unwrap(), e);
+        assert_eq!(
+            staged_name(&e, 0, 1, 2, Protocol::LL),
+            "ferroccl-cudafifo-4242-123456789abcdef1-77-0-1-2-LL"
+        );
         let err = Export::decode("cuda_ipc/0/1-2/LL", b"short").unwrap_err();
         assert!(err.to_string().contains("cuda_ipc/0/1-2/LL"), "{err}");
         let s = Sender {

@@ -484,3 +484,28 @@ pub fn files_under(dir: &std::path::Path, extensions: &[&str]) -> Vec<std::path:
     files.sort();
     files
 }
+
+/// Entries of `/dev/shm` left by the processes `pids`, started at `since` or later: host
+/// segments (`ferroccl-<pid of the job's rank 0>-…`) and device FIFOs staged through
+/// host memory (`ferroccl-cudafifo-<pid of their receiver>-…`). Older names were left by
+/// earlier processes with the same pids (pids wrap): they are not these processes'.
+pub fn shm_left_by(pids: &[u32], since: std::time::SystemTime) -> Vec<String> {
+    // File times come from a clock that lags by up to a tick.
+    let since = since - std::time::Duration::from_secs(1);
+    let prefixes: Vec<String> = pids
+        .iter()
+        .flat_map(|p| [format!("ferroccl-{p}-"), format!("ferroccl-cudafifo-{p}-")])
+        .collect();
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            e.metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t >= since)
+        })
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|f| prefixes.iter().any(|p| f.starts_with(p.as_str())))
+        .collect()
+}

@@ -160,16 +160,3 @@ pub fn wait_all(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Ended>,
     }
     Ok(ended.into_iter().map(Option::unwrap).collect())
 }
-
-/// Entries of `/dev/shm` made by any of the processes `pids` (segment names start with
-/// `ferroccl-<pid of their maker>-`).
-pub fn shm_left_by(pids: &[u32]) -> Vec<String> {
-    let prefixes: Vec<String> = pids.iter().map(|p| format!("ferroccl-{p}-")).collect();
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter(|f| prefixes.iter().any(|p| f.starts_with(p.as_str())))
-                .collect()
-        })
-        .unwrap_or_default()
-}
