@@ -235,11 +235,18 @@ fn two_nodes_of_four_form_one_world() {
     assert_eq!(table.len(), 8, "{table:?}");
 }
 
+/// A failing rank stops the rest; once all are gone, what they left in `/dev/shm` (as a
+/// rank stopped mid-establishment does: names starting with its pid) is removed, and
+/// nothing else.
 #[test]
 fn a_failing_rank_stops_the_rest() {
     let dir = tempfile::tempdir().unwrap();
+    // Not a rank's: pid 1 is init.
+    let other = "/dev/shm/ferroccl-1-not-this-jobs";
+    std::fs::write(other, b"").unwrap();
     let script = format!(
-        "echo $$ > {dir}/$RANK.pid; \
+        "touch /dev/shm/ferroccl-$$-launch-test-b0 /dev/shm/ferroccl-cudafifo-$$-launch-test; \
+         echo $$ > {dir}/$RANK.pid; \
          if [ \"$RANK\" = 2 ]; then \
            while [ $(ls {dir} | wc -l) -lt 4 ]; do sleep 0.05; done; exit 3; \
          fi; exec sleep 60",
@@ -260,6 +267,8 @@ fn a_failing_rank_stops_the_rest() {
         Duration::from_secs(30),
     );
     let stderr = text(&out.stderr);
+    let kept = std::path::Path::new(other).exists();
+    let _ = std::fs::remove_file(other);
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(
         stderr.contains("rank 2") && stderr.contains("exited with status 3"),
@@ -277,7 +286,24 @@ fn a_failing_rank_stops_the_rest() {
             !std::path::Path::new(&proc).exists(),
             "rank {rank} ({proc}) still alive"
         );
+        for name in [
+            format!("ferroccl-{}-launch-test-b0", pid.trim()),
+            format!("ferroccl-cudafifo-{}-launch-test", pid.trim()),
+        ] {
+            assert!(
+                !std::path::Path::new("/dev/shm").join(&name).exists(),
+                "rank {rank} left {name}"
+            );
+        }
     }
+    assert!(
+        stderr.contains("removed 8 names the ranks left in /dev/shm"),
+        "{stderr}"
+    );
+    assert!(
+        kept,
+        "the launcher removed {other}, which its ranks did not make"
+    );
 }
 
 #[test]

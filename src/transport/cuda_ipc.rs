@@ -153,8 +153,8 @@ pub fn staged_name(
     protocol: Protocol,
 ) -> String {
     format!(
-        "ferroccl-cudafifo-{}-{:016x}-{}-{channel}-{from}-{to}-{}",
-        receiver.pid,
+        "{}{:016x}-{}-{channel}-{from}-{to}-{}",
+        super::segment::staged_shm_prefix(receiver.pid),
         receiver.process,
         receiver.serial,
         protocol.name()

@@ -119,8 +119,8 @@ impl Routes {
             rdma_ranks,
             rdma_link_gbps: None,
             prefix: format!(
-                "ferroccl-{}-{:016x}",
-                boot.peers()[0].pid,
+                "{}{:016x}",
+                super::segment::job_shm_prefix(boot.peers()[0].pid),
                 u64::from_le_bytes(nonce)
             ),
             job_key: nonce,

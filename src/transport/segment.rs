@@ -73,6 +73,36 @@ impl Drop for HeapBlock {
     }
 }
 
+/// How the `/dev/shm` names of a job's bells and host FIFOs begin: with the pid of the
+/// job's rank 0 (a random number per job follows it).
+pub fn job_shm_prefix(rank0_pid: u32) -> String {
+    format!("ferroccl-{rank0_pid}-")
+}
+
+/// How the `/dev/shm` names of the device FIFOs that process `pid` stages through host
+/// memory begin (see [`cuda_ipc::staged_name`](super::cuda_ipc::staged_name)).
+pub fn staged_shm_prefix(pid: u32) -> String {
+    format!("ferroccl-cudafifo-{pid}-")
+}
+
+/// Removes what the processes `pids` left in `/dev/shm` and returns the names, for a
+/// launcher once all of them are gone: a rank stopped by a signal between making its
+/// segments and removing their names (they go once its peers have mapped them) cannot
+/// remove them itself.
+pub fn remove_shm_left_by(pids: &[u32]) -> Vec<String> {
+    let prefixes: Vec<String> = pids
+        .iter()
+        .flat_map(|&p| [job_shm_prefix(p), staged_shm_prefix(p)])
+        .collect();
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| prefixes.iter().any(|p| name.starts_with(p.as_str())))
+        .filter(|name| std::fs::remove_file(shm_path(name)).is_ok())
+        .collect()
+}
+
 /// Segments created in this process for threads, by name, until unlinked.
 fn registry() -> &'static Mutex<HashMap<String, Arc<HeapBlock>>> {
     static REGISTRY: OnceLock<Mutex<HashMap<String, Arc<HeapBlock>>>> = OnceLock::new();
