@@ -713,7 +713,9 @@ fn all_reduce_on_a_stream_of_its_own(
     let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
     let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
     // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
-    unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) }.unwrap();
+    if let Err(e) = unsafe { enqueue_all_reduce(c, &x, &mut out, &stream) } {
+        return (Err(e), Vec::new());
+    }
     stream.synchronize().unwrap();
     let outcome = c.synchronize_device();
     (outcome, stream.clone_dtoh(&out).unwrap())
@@ -957,6 +959,52 @@ fn gpu_two_gpus_with_or_without_p2p_give_the_host_engines_results() {
     }
 }
 
+/// Two GPUs without P2P: the FIFOs between them are staged through shared host memory,
+/// whose names go from `/dev/shm` as soon as both sides have mapped them (the
+/// communicators still live), and at once where registering the memory with the driver
+/// fails (`FERROCCL_SIM_FAIL=cuMemHostRegister_v2`: the call fails naming it). Run by
+/// [`gpu_other_simulated_machines`] on such machines.
+#[test]
+fn gpu_staged_fifos_leave_no_names_in_dev_shm() {
+    let Some(_one_at_a_time) = gpu() else { return };
+    if cuda::device_count() < 2 || cuda::can_access_peer(0, 1).unwrap() {
+        eprintln!("\n*** SKIPPED (no two GPUs without P2P here): nothing is staged ***\n");
+        return;
+    }
+    let failing = std::env::var("FERROCCL_SIM_FAIL").as_deref() == Ok("cuMemHostRegister_v2");
+    let contexts: Vec<_> = (0..2).map(|d| CudaContext::new(d).unwrap()).collect();
+    let comms = Communicator::init_all_with(2, config_of(Shape::of(Protocol::Simple))).unwrap();
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&contexts)
+            .map(|(c, ctx)| s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, c)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (outcome, got)) in outcomes.iter().enumerate() {
+        match outcome {
+            Ok(()) => assert!(!failing && *got == int_sum(2, COUNT), "rank {rank}"),
+            Err(e) => assert!(
+                failing && e.to_string().contains("cuMemHostRegister"),
+                "{e}"
+            ),
+        }
+    }
+    let ours = ferroccl::transport::segment::staged_shm_prefix(std::process::id());
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with(&ours))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left in /dev/shm while the communicators live: {left:?}"
+    );
+    eprintln!("staged FIFOs (registering them fails: {failing}): no names left");
+    drop(comms);
+}
+
 /// Two ranks on one GPU whose kernels must run at the same time: where the GPU can hold
 /// only one block at once (`FERROCCL_SIM_RESIDENT_BLOCKS=1`), the second waits for the
 /// first, which waits for the second; the timeout gives both streams back with an error
@@ -1000,7 +1048,8 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
 
 /// The tests above again on other simulated machines (a child process each, as the
 /// driver reads its configuration once): 2 GPUs, 1 GPU, 2 GPUs without P2P (FIFOs
-/// staged through host memory), and GPUs that hold one block at a time.
+/// staged through host memory; then also with registering that memory failing), and
+/// GPUs that hold one block at a time.
 #[test]
 fn gpu_other_simulated_machines() {
     let Some(_one_at_a_time) = gpu() else { return };
@@ -1013,7 +1062,7 @@ fn gpu_other_simulated_machines() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let runs: [Run; 5] = [
+    let runs: [Run; 7] = [
         (
             "gpu_every_pair_of_gpus_runs_the_collectives",
             &[("FERROCCL_SIM_GPUS", "2")],
@@ -1038,6 +1087,20 @@ fn gpu_other_simulated_machines() {
             "gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout",
             &[("FERROCCL_SIM_RESIDENT_BLOCKS", "1")],
             "1 passed",
+        ),
+        (
+            "gpu_staged_fifos_leave_no_names_in_dev_shm",
+            &[("FERROCCL_SIM_GPUS", "2"), ("FERROCCL_SIM_P2P", "none")],
+            "(registering them fails: false): no names left",
+        ),
+        (
+            "gpu_staged_fifos_leave_no_names_in_dev_shm",
+            &[
+                ("FERROCCL_SIM_GPUS", "2"),
+                ("FERROCCL_SIM_P2P", "none"),
+                ("FERROCCL_SIM_FAIL", "cuMemHostRegister_v2"),
+            ],
+            "(registering them fails: true): no names left",
         ),
     ];
     for (test, envs, expect) in runs {
