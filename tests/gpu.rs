@@ -991,11 +991,9 @@ fn gpu_staged_fifos_leave_no_names_in_dev_shm() {
             ),
         }
     }
-    let ours = ferroccl::transport::segment::staged_shm_prefix(std::process::id());
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|name| name.starts_with(&ours))
+    let left: Vec<_> = ferroccl::transport::segment::shm_entries_of(&[std::process::id()])
+        .into_iter()
+        .map(|e| e.file_name())
         .collect();
     assert!(
         left.is_empty(),

@@ -85,11 +85,9 @@ pub fn staged_shm_prefix(pid: u32) -> String {
     format!("ferroccl-cudafifo-{pid}-")
 }
 
-/// Removes what the processes `pids` left in `/dev/shm` and returns the names, for a
-/// launcher once all of them are gone: a rank stopped by a signal between making its
-/// segments and removing their names (they go once its peers have mapped them) cannot
-/// remove them itself.
-pub fn remove_shm_left_by(pids: &[u32]) -> Vec<String> {
+/// The entries of `/dev/shm` that the processes `pids` made: names that start with one
+/// of their pids as [`job_shm_prefix`] or [`staged_shm_prefix`] put it.
+pub fn shm_entries_of(pids: &[u32]) -> Vec<std::fs::DirEntry> {
     let prefixes: Vec<String> = pids
         .iter()
         .flat_map(|&p| [job_shm_prefix(p), staged_shm_prefix(p)])
@@ -97,9 +95,24 @@ pub fn remove_shm_left_by(pids: &[u32]) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return Vec::new();
     };
-    dir.filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|name| prefixes.iter().any(|p| name.starts_with(p.as_str())))
-        .filter(|name| std::fs::remove_file(shm_path(name)).is_ok())
+    dir.filter_map(std::result::Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|name| prefixes.iter().any(|p| name.starts_with(p.as_str())))
+        })
+        .collect()
+}
+
+/// Removes what the processes `pids` left in `/dev/shm` and returns the names, for a
+/// launcher once all of them are gone: a rank stopped by a signal between making its
+/// segments and removing their names (they go once its peers have mapped them) cannot
+/// remove them itself.
+pub fn remove_shm_left_by(pids: &[u32]) -> Vec<String> {
+    shm_entries_of(pids)
+        .into_iter()
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
 }
 

@@ -492,21 +492,13 @@ pub fn files_under(dir: &std::path::Path, extensions: &[&str]) -> Vec<std::path:
 pub fn shm_left_by(pids: &[u32], since: std::time::SystemTime) -> Vec<String> {
     // File times come from a clock that lags by up to a tick.
     let since = since - std::time::Duration::from_secs(1);
-    use ferroccl::transport::segment::{job_shm_prefix, staged_shm_prefix};
-    let prefixes: Vec<String> = pids
-        .iter()
-        .flat_map(|&p| [job_shm_prefix(p), staged_shm_prefix(p)])
-        .collect();
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    dir.filter_map(Result::ok)
+    ferroccl::transport::segment::shm_entries_of(pids)
+        .into_iter()
         .filter(|e| {
             e.metadata()
                 .and_then(|m| m.modified())
                 .is_ok_and(|t| t >= since)
         })
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|f| prefixes.iter().any(|p| f.starts_with(p.as_str())))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
 }
