@@ -9,9 +9,10 @@
 //! terminal's Ctrl-C reaches only the launcher, which forwards SIGINT, SIGTERM and SIGHUP
 //! once, and stopping a rank stops its children. When a rank fails, the others are
 //! stopped (SIGTERM, then SIGKILL after the grace period) and the launcher's exit code is
-//! the failed rank's status (128 + signal for a signal). Once every rank is gone, the
-//! launcher removes the `/dev/shm` names they left (a rank stopped between making its
-//! shared memory and removing the names cannot), and says which.
+//! the failed rank's status (128 + signal for a signal). Once every rank of a failed or
+//! stopped job is gone, the launcher removes the `/dev/shm` names they left (a rank
+//! stopped between making its shared memory and removing the names cannot), and says
+//! which.
 //!
 //! When every local rank can have a CPU of its own, each is bound to one ([`CpuBind`],
 //! like `mpirun --bind-to core`), and the threads a rank starts (TCP proxies, progress
@@ -281,8 +282,13 @@ pub fn run(job: &LocalJob) -> Result<u8> {
         .recv_timeout(deadline.saturating_duration_since(Instant::now()))
         .is_ok()
     {}
+    // Ranks that all succeeded removed their names themselves; and a job whose ranks
+    // include another launcher's (two nodes on one host) may still use some then.
     let pids: Vec<u32> = ranks.iter().map(|r| r.child.id()).collect();
-    let left = crate::transport::segment::remove_shm_left_by(&pids);
+    let left = match outcome {
+        Outcome::AllSucceeded => Vec::new(),
+        _ => crate::transport::segment::remove_shm_left_by(&pids),
+    };
     if !left.is_empty() {
         eprintln!(
             "{}: removed {} names the ranks left in /dev/shm (stopped before they could): {}",
