@@ -186,6 +186,17 @@ impl Crowding {
         }
     }
 
+    /// The most ranks one CPU runs, at least 1: ranks that outnumber the CPUs are
+    /// bound in blocks of consecutive ranks ([`crate::topo::cpu_in_blocks`]), so some
+    /// CPU takes `⌈ranks / cpus⌉` of them.
+    pub fn per_cpu(&self) -> usize {
+        if self.outnumbered() {
+            self.ranks.div_ceil(self.cpus.max(1))
+        } else {
+            1
+        }
+    }
+
     /// How much dearer a CPU makes the bytes of a two-shot round or a doubling round
     /// across CPUs: 1 up to two ranks to a CPU, where one rank's copies overlap the
     /// other's wait (the link costs were fitted there), `q/2` beyond, where the copies
@@ -648,6 +659,18 @@ impl CostModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_most_ranks_a_cpu_runs() {
+        let per_cpu = |ranks, cpus| Crowding { ranks, cpus }.per_cpu();
+        assert_eq!(Crowding::NONE.per_cpu(), 1);
+        assert_eq!(per_cpu(2, 2), 1);
+        assert_eq!(per_cpu(2, 16), 1);
+        assert_eq!(per_cpu(3, 2), 2);
+        assert_eq!(per_cpu(4, 2), 2);
+        assert_eq!(per_cpu(8, 2), 4);
+        assert_eq!(per_cpu(5, 1), 5);
+    }
 
     fn shape(ranks: usize, hosts: usize) -> Shape {
         Shape::even(ranks, hosts)

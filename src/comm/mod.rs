@@ -172,6 +172,18 @@ pub struct RawCall {
     pub output: *mut u8,
 }
 
+/// Whether a call's results go to its output past the caches
+/// ([`RawCall::result_streaming`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ResultStreaming {
+    /// Plain stores: a small output, or one that overlaps the input.
+    Never,
+    /// Streaming stores: the outputs of the ranks a CPU runs outgrow its caches together.
+    Always,
+    /// As the store trial of the call's size chose.
+    AsTried,
+}
+
 impl RawCall {
     /// Whether the call reduces, and the reduction its kernels apply (sum, as a plain
     /// copy, for collectives that move data without reducing it).
@@ -180,17 +192,32 @@ impl RawCall {
         (reducing, if reducing { self.op } else { ReduceOp::Sum })
     }
 
-    /// How rank `rank`'s call uses the caches: whether its results go to its output past
-    /// them ([`OpBuffers::streaming`]: an output of at least [`engine::STREAMING_FROM`]
-    /// bytes that does not overlap the input; in place, the input's lines are already
-    /// cached when the result replaces them, and a streaming store would only evict
-    /// them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming).
-    fn streams_results(&self, rank: usize, nranks: usize) -> bool {
+    /// How rank `rank`'s call uses the caches: whether its results may go to its output
+    /// past them ([`OpBuffers::streaming`]), and whether the store trial decides it. An
+    /// output of at least [`engine::streaming_from`] bytes for `ranks_per_cpu` ranks to
+    /// a CPU that does not overlap the input may stream (in place, the input's lines are
+    /// already cached when the result replaces them, and a streaming store would only
+    /// evict them: measured, 2 ranks, 128 MiB in place, 9.6 GB/s plain, 6.9 streaming);
+    /// from [`engine::STREAMING_FROM`] the trial of the call's size decides
+    /// ([`Stores::streams_results`]), below it a crowded CPU's results always stream.
+    fn result_streaming(
+        &self,
+        rank: usize,
+        nranks: usize,
+        ranks_per_cpu: usize,
+    ) -> ResultStreaming {
         let (ins, outs) = self.collective.buffer_lens(self.count, rank, nranks);
         let elem = self.dtype.size();
         let (i0, o0) = (self.input as usize, self.output as usize);
         let apart = i0 + ins * elem <= o0 || o0 + outs * elem <= i0;
-        outs * elem >= engine::STREAMING_FROM && apart
+        let bytes = outs * elem;
+        if !apart || bytes < engine::streaming_from(ranks_per_cpu) {
+            ResultStreaming::Never
+        } else if bytes < engine::STREAMING_FROM {
+            ResultStreaming::Always
+        } else {
+            ResultStreaming::AsTried
+        }
     }
 }
 
@@ -814,6 +841,7 @@ impl Communicator {
             st.scratch = vec![0u64; total];
         }
         let mut next_scratch = st.scratch.as_mut_ptr();
+        let ranks_per_cpu = st.conns.crowding().per_cpu();
         let mut make_op =
             |raw: &RawCall, &(choice, elems): &(Choice, usize)| -> Result<OpBuffers> {
                 let mut scratch = std::ptr::null_mut();
@@ -822,7 +850,7 @@ impl Communicator {
                     // SAFETY: the buffer holds `total` words, the sum of every operation's.
                     next_scratch = unsafe { next_scratch.add(words((raw, &(choice, elems)))) };
                 }
-                self.op_buffers(raw, choice, scratch, stores)
+                self.op_buffers(raw, choice, scratch, stores, ranks_per_cpu)
             };
         let one_op: [OpBuffers; 1];
         let many_ops: Vec<OpBuffers>;
@@ -939,13 +967,18 @@ impl Communicator {
         choice: Choice,
         scratch: *mut u8,
         stores: Stores,
+        ranks_per_cpu: usize,
     ) -> Result<OpBuffers> {
         let (reducing, op) = raw.reduction();
         let plain = match op {
             ReduceOp::PreMulSum(_) => ReduceOp::Sum,
             other => other,
         };
-        let streaming = raw.streams_results(self.rank, self.nranks);
+        let streaming = match raw.result_streaming(self.rank, self.nranks, ranks_per_cpu) {
+            ResultStreaming::Never => false,
+            ResultStreaming::Always => true,
+            ResultStreaming::AsTried => stores.streams_results(),
+        };
         Ok(OpBuffers {
             input: raw.input,
             output: raw.output,
@@ -954,7 +987,7 @@ impl Communicator {
             reducing,
             scratch,
             protocol: choice.protocol,
-            streaming: streaming && stores.streams_results(),
+            streaming,
             may_stream_slots: stores.streams_slots(),
         })
     }

@@ -466,3 +466,51 @@ fn two_ranks_exchange_slots_unless_told_not_to_and_stay_right_either_way() {
         });
     }
 }
+
+#[test]
+fn results_stream_where_the_outputs_of_a_cpus_ranks_outgrow_its_caches() {
+    use crate::types::DataType;
+    // Addresses only: the decision never touches the buffers.
+    let at = |offset: usize| std::ptr::null_mut::<u8>().wrapping_add(0x1000_0000 + offset);
+    let call = |bytes: usize, in_place: bool| RawCall {
+        collective: Collective::AllReduce,
+        count: bytes / 4,
+        dtype: DataType::Float32,
+        op: ReduceOp::Sum,
+        input: at(0),
+        output: if in_place { at(0) } else { at(bytes) },
+    };
+    let (never, always, tried) = (
+        ResultStreaming::Never,
+        ResultStreaming::Always,
+        ResultStreaming::AsTried,
+    );
+    let mib = 1 << 20;
+    for (per_cpu, bytes, want) in [
+        // A CPU of its own: the store trial decides from 8 MiB, as before.
+        (1, 4 * mib, never),
+        (1, 8 * mib, tried),
+        (1, 128 * mib, tried),
+        // Two ranks to a CPU (3 or 4 ranks on 2): from 4 MiB.
+        (2, 2 * mib, never),
+        (2, 4 * mib, always),
+        (2, 8 * mib, tried),
+        // Four (8 ranks on 2): from 2 MiB.
+        (4, mib, never),
+        (4, 2 * mib, always),
+        (4, 4 * mib, always),
+        (4, 32 * mib, tried),
+    ] {
+        let got = call(bytes, false).result_streaming(0, 8, per_cpu);
+        assert_eq!(
+            got, want,
+            "{per_cpu} ranks to a CPU, {bytes} bytes out of place"
+        );
+        // In place, the input's lines are cached when the result replaces them.
+        let got = call(bytes, true).result_streaming(0, 8, per_cpu);
+        assert_eq!(
+            got, never,
+            "{per_cpu} ranks to a CPU, {bytes} bytes in place"
+        );
+    }
+}

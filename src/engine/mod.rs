@@ -84,6 +84,22 @@ pub struct OpBuffers {
 /// ([`crate::tune::stores`]); this is where that choice begins.
 pub const STREAMING_FROM: usize = 8 << 20;
 
+/// Output size (bytes per rank) from which a rank that shares its CPU with
+/// `ranks_per_cpu − 1` others writes its results with streaming stores: where the
+/// outputs of all the ranks a CPU runs reach [`STREAMING_FROM`] together, since they
+/// pass through the same caches (and its results below [`STREAMING_FROM`] stream
+/// whatever the store trial of their size chose for slots: that trial does not try
+/// results there). Measured on a 2-core VM (Intel, 4 MiB of L2 per core, 2026-11-30;
+/// all-reduce out of place, ring, medians of interleaved pairs, plain → streamed): 8
+/// ranks at 2 MiB 2,437 → 2,196 µs (5 of 5 pairs faster) and at 4 MiB 7,070 → 5,100 (4
+/// of 4), where in place took about 2,200 and 4,500; 4 ranks at 4 MiB 2,158 → 2,015 (4 of
+/// 4); 3 ranks at 4 MiB 1,956 → 1,838 (3 of 3). Below the threshold no gain: 8 ranks at
+/// 1 MiB 1,161 → 1,184, 512 KiB 571 → 561; 4 ranks at 2 MiB 1,054 → 1,017 (within the
+/// pairs' spread).
+pub fn streaming_from(ranks_per_cpu: usize) -> usize {
+    STREAMING_FROM / ranks_per_cpu.max(1)
+}
+
 /// Slices of at least this many bytes bound for a far peer's slot
 /// ([`Connections::streams_slots_to`]) are written with non-temporal stores (when the
 /// trial of the call's size chose them, [`crate::tune::stores`]): below it, a slice is
