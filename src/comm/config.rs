@@ -28,6 +28,7 @@ use crate::transport::{NetChoice, SlotStores, Striping, TransportChoice};
 /// | `FERROCCL_DETERMINISTIC` (`1`/`0`) | `deterministic` | off |
 /// | `FERROCCL_PROTO` (`NCCL_PROTO`): `LL`, `Simple`, lists, `^` to exclude | `protocols` | all; [`crate::tune`] chooses per call |
 /// | `FERROCCL_LL_SLOT_SIZE` | `ll_payload_bytes` (data bytes per LL slot) | 4 KiB |
+/// | `FERROCCL_LL_SLOTS` | `ll_slots` and `dedicated_ll_slots` | 8; 32 between ranks of a host that each have a core |
 /// | `FERROCCL_LINK_TIMEOUT` | `link_timeout` (seconds) | 30 |
 /// | `FERROCCL_SOCKET_NTHREADS` (`NCCL_SOCKET_NTHREADS`) | `striping.threads` per TCP link | 1 |
 /// | `FERROCCL_NSOCKS_PERTHREAD` (`NCCL_NSOCKS_PERTHREAD`) | `striping.sockets_per_thread` | 1 |
@@ -91,8 +92,21 @@ pub struct CommConfig {
     /// The protocols the cost model may choose from (one to force it). LL FIFOs exist
     /// only when LL is allowed.
     pub protocols: Vec<Protocol>,
-    /// Slots per LL FIFO.
+    /// Slots per LL FIFO: between ranks of one host whose ranks outnumber its cores, and
+    /// on devices.
     pub ll_slots: usize,
+    /// Slots per LL FIFO between ranks of one host where every rank there has a core of
+    /// its own. A slot carries a message at its start, so a FIFO of few slots writes the
+    /// same lines again soon after the reader took them into its L1 cache, and each
+    /// costs the writer an invalidation of the reader's copy; a longer walk comes back
+    /// to lines the reader has dropped. Measured on 2 cores (2 MiB of L2 and 48 KiB of
+    /// L1 each, 2026-11-30; all-reduce of 2 ranks, one-shot LL, two rounds): 2 KiB,
+    /// 1.09–1.11 µs with 8 slots, 1.05–1.07 with 16, 0.87–0.93 with 32 to 256 (a walk of
+    /// 64 KiB and more); 8 B–512 B and the Simple sizes above unchanged. Ranks that take
+    /// turns on a core share its caches, and there 32 slots measured no faster (4 and 8
+    /// ranks) or slower (3 ranks, 8 B: 1.35–1.36 → 1.44–1.65 µs), so those keep
+    /// `ll_slots`.
+    pub dedicated_ll_slots: usize,
     /// Data bytes per LL slot (a multiple of 64, at most `slot_bytes`: over TCP, LL
     /// slices travel in the Simple FIFOs; the slot in memory is twice that plus 64 B).
     pub ll_payload_bytes: usize,
@@ -130,6 +144,7 @@ impl Default for CommConfig {
             deterministic: false,
             protocols: Protocol::ALL.to_vec(),
             ll_slots: 8,
+            dedicated_ll_slots: 32,
             ll_payload_bytes: 4096,
             link_timeout: Duration::from_secs(30),
             striping: Striping::default(),
@@ -178,6 +193,10 @@ impl CommConfig {
         };
         if let Some(v) = env_number(&["FERROCCL_LL_SLOT_SIZE"])? {
             c.ll_payload_bytes = v as usize;
+        }
+        if let Some(v) = env_number(&["FERROCCL_LL_SLOTS"])? {
+            c.ll_slots = v as usize;
+            c.dedicated_ll_slots = v as usize;
         }
         if let Some((var, text)) = env_first(&["FERROCCL_NET", "NCCL_NET"]) {
             c.net = NetChoice::parse(&text).map_err(|detail| Error::Env {
@@ -249,11 +268,21 @@ impl CommConfig {
         }
     }
 
-    /// The shape of the LL FIFOs, if LL is allowed.
+    /// The shape of the LL FIFOs, if LL is allowed (between ranks of a host whose ranks
+    /// outnumber its cores, and on devices).
     pub fn ll_geometry(&self) -> Option<Geometry> {
         self.protocols
             .contains(&Protocol::LL)
             .then(|| Geometry::ll(self.ll_slots, self.ll_payload_bytes))
+    }
+
+    /// The shape of the LL FIFOs between ranks of one host that each have a core, if LL
+    /// is allowed.
+    pub fn dedicated_ll_geometry(&self) -> Option<Geometry> {
+        self.ll_geometry().map(|g| Geometry {
+            slots: self.dedicated_ll_slots,
+            ..g
+        })
     }
 
     /// Bytes one step of a ring moves with `protocol`: `chunk_bytes`, for Simple at
@@ -310,7 +339,8 @@ impl CommConfig {
             ("crowded_slots", self.crowded_slots.to_string()),
             ("FERROCCL_SLOT_SIZE", self.slot_bytes.to_string()),
             ("FERROCCL_CHUNK_SIZE", self.chunk_bytes.to_string()),
-            ("ll_slots", self.ll_slots.to_string()),
+            ("FERROCCL_LL_SLOTS", self.ll_slots.to_string()),
+            ("dedicated_ll_slots", self.dedicated_ll_slots.to_string()),
             ("FERROCCL_LL_SLOT_SIZE", self.ll_payload_bytes.to_string()),
         ]
         .iter()
@@ -349,6 +379,11 @@ impl CommConfig {
         self.rdma.validate()?;
         if let Some(ll) = self.ll_geometry() {
             ll.validate()?;
+            Geometry {
+                slots: self.dedicated_ll_slots,
+                ..ll
+            }
+            .validate()?;
             if self.ll_payload_bytes < 64
                 || !self.ll_payload_bytes.is_multiple_of(64)
                 || self.ll_payload_bytes > self.slot_bytes
@@ -624,6 +659,20 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(simple_only.ll_geometry(), None);
+        assert_eq!(simple_only.dedicated_ll_geometry(), None);
+        // Between ranks that each have a core: more slots of the same payload.
+        let dedicated = c.dedicated_ll_geometry().expect("LL allowed by default");
+        assert_eq!(
+            (dedicated.slots, dedicated.payload(), dedicated.protocol),
+            (c.dedicated_ll_slots, ll.payload(), Protocol::LL)
+        );
+        assert!(c.dedicated_ll_slots > c.ll_slots);
+        let odd_slots = CommConfig {
+            dedicated_ll_slots: 24,
+            ..c.clone()
+        };
+        let err = odd_slots.validate().unwrap_err().to_string();
+        assert!(err.contains("FIFO slots 24"), "{err}");
         let odd = CommConfig {
             ll_payload_bytes: 100,
             ..c

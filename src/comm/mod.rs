@@ -413,6 +413,7 @@ impl Communicator {
                 dedicated: config.dedicated_geometry(),
                 crowded: config.crowded_geometry(),
                 ll: config.ll_geometry(),
+                dedicated_ll: config.dedicated_ll_geometry(),
                 single_copy: config.protocols.contains(&Protocol::SingleCopy),
                 slot_stores: config.slot_stores,
                 slot_exchange: config.slot_exchange,

@@ -138,8 +138,12 @@ pub struct TransportConfig {
     /// Shape of the Simple FIFOs between ranks of one host whose ranks outnumber its
     /// cores (fewer slots than `geometry`).
     pub crowded: Geometry,
-    /// Shape of the LL FIFOs between ranks of one host; `None`: no LL FIFOs.
+    /// Shape of the LL FIFOs between ranks of one host that outnumber its cores; `None`:
+    /// no LL FIFOs.
     pub ll: Option<Geometry>,
+    /// Shape of the LL FIFOs between ranks of one host that each have a core (the same
+    /// payload as `ll`, more slots); `None`: no LL FIFOs.
+    pub dedicated_ll: Option<Geometry>,
     /// Whether calls may use single copy (`FERROCCL_PROTO` allows it): without it the
     /// probe at initialisation, two all-gathers, is skipped.
     pub single_copy: bool,
@@ -185,20 +189,33 @@ impl TransportConfig {
         }
     }
 
+    /// The format of the LL FIFOs between ranks of one host, deeper where every rank of
+    /// the host has a core, for the same reason as [`TransportConfig::local_geometry`]'s
+    /// (see `CommConfig::dedicated_ll_slots`).
+    fn local_ll_geometry(&self, oversubscribed: bool) -> Option<Geometry> {
+        match oversubscribed {
+            true => self.ll,
+            false => self.dedicated_ll,
+        }
+    }
+
     /// Checks the FIFO formats and that every ring lists all `nranks` ranks.
     fn validate(&self, nranks: usize) -> Result<()> {
         self.geometry.validate()?;
         self.dedicated.validate()?;
         self.crowded.validate()?;
+        let lls = [self.ll, self.dedicated_ll];
         if self.geometry.protocol != Protocol::Simple
-            || self.ll.is_some_and(|g| g.protocol != Protocol::LL)
+            || lls.iter().flatten().any(|g| g.protocol != Protocol::LL)
+            || self.ll.map(|g| g.payload()) != self.dedicated_ll.map(|g| g.payload())
         {
             return Err(Error::invalid(format!(
-                "transport: FIFO formats {:?} and {:?} are not Simple and LL",
-                self.geometry, self.ll
+                "transport: FIFO formats {:?}, {:?} and {:?} are not Simple and LL of one \
+                 payload",
+                self.geometry, self.ll, self.dedicated_ll
             )));
         }
-        if let Some(ll) = self.ll {
+        for ll in lls.iter().flatten() {
             ll.validate()?;
         }
         let channels = self.rings.len();
@@ -510,6 +527,7 @@ fn log_routes(
     routes: &routes::Routes,
     config: &TransportConfig,
     local: Geometry,
+    local_ll: Option<Geometry>,
     net: &NetDevice,
     tcp_links: usize,
 ) {
@@ -522,7 +540,7 @@ fn log_routes(
     {
         tracing::info!("rank {rank}: no RDMA ({why}); peers on other hosts use TCP");
     }
-    let ll = match config.ll {
+    let ll = match local_ll {
         Some(g) if nranks == 1 || tcp.len() + rdma.len() < nranks - 1 => {
             format!(
                 "of {} x {} B (between ranks of one host)",
@@ -585,7 +603,8 @@ impl Connections {
         // ends of a FIFO between ranks of this host see the same answer.
         let (oversubscribed, crowding) = CpuShare::gather(boot)?;
         let local = config.local_geometry(oversubscribed);
-        let formats: Vec<Geometry> = std::iter::once(local).chain(config.ll).collect();
+        let local_ll = config.local_ll_geometry(oversubscribed);
+        let formats: Vec<Geometry> = std::iter::once(local).chain(local_ll).collect();
         let shm = shm::SharedMemory::create(boot, &routes, &config.rings, &formats, &mut ends)?;
         let tcp_links =
             tcp::connect_links(&routes, config, listener.as_ref(), &shm.own_bell, &mut ends)?;
@@ -631,12 +650,12 @@ impl Connections {
             ..
         } = shm;
         drop(created);
-        log_routes(&routes, config, local, &net, tcp_links);
+        log_routes(&routes, config, local, local_ll, &net, tcp_links);
         Ok(Connections {
             lazy: lazy::LazyFifos::new(
                 boot,
                 &routes,
-                [Some(local), config.ll],
+                [Some(local), local_ll],
                 !oversubscribed,
                 config.slot_exchange,
             ),
@@ -653,7 +672,7 @@ impl Connections {
             rdma: rdma_net,
             own_bell,
             geometry: config.geometry,
-            ll: config.ll,
+            ll: local_ll,
             oversubscribed,
             crowding,
             slot_stores: config.slot_stores,
@@ -1246,7 +1265,8 @@ mod tests {
                 slots: 2,
                 ..geometry
             },
-            ll: None,
+            ll: Some(Geometry::ll(8, 4096)),
+            dedicated_ll: Some(Geometry::ll(32, 4096)),
             single_copy: false,
             slot_stores: SlotStores::Auto,
             slot_exchange: true,
@@ -1263,7 +1283,24 @@ mod tests {
         assert_eq!((local.slots, local.slot_bytes), (16, 128 << 10));
         let crowded = config.local_geometry(true);
         assert_eq!((crowded.slots, crowded.slot_bytes), (2, 128 << 10));
+        let ll = |oversubscribed| {
+            let g = config.local_ll_geometry(oversubscribed).unwrap();
+            (g.slots, g.payload(), g.protocol)
+        };
+        assert_eq!(ll(false), (32, 4096, Protocol::LL));
+        assert_eq!(ll(true), (8, 4096, Protocol::LL));
         config.validate(2).unwrap();
+        for (dedicated_ll, wrong) in [
+            (Geometry::ll(32, 2048), "of one payload"),
+            (Geometry::ll(24, 4096), "FIFO slots 24"),
+        ] {
+            let odd = TransportConfig {
+                dedicated_ll: Some(dedicated_ll),
+                ..config.clone()
+            };
+            let err = odd.validate(2).unwrap_err().to_string();
+            assert!(err.contains(wrong), "{err}");
+        }
         let odd = TransportConfig {
             dedicated: Geometry {
                 slots: 6,
