@@ -53,7 +53,7 @@
 //! bytes at `(k mod positions) × span`, with `span` = `len` rounded up to a cache line
 //! and `positions` = how many spans the slot holds. Consecutive uses of the FIFO then
 //! walk all of its memory (2 MiB by default: such FIFOs have `CommConfig::dedicated_slots`,
-//! 16, see `TransportConfig::local_geometry`) instead of the first `len` bytes of each slot.
+//! 16, see `TransportConfig::local_geometries`) instead of the first `len` bytes of each slot.
 //! Only where every rank has a core of its own: ranks that take turns on a core find the
 //! line in that core's cache anyway, and there the rotation measured up to 10 % slower (4 ranks on 2 cores, two-shot, 4–8 KiB and 64–128 KiB). Both ends compute the place from the slot's use number and byte count, so
 //! nothing more is published. Measured, 2 ranks on 2 cores, one-shot all-reduce: 32

@@ -171,31 +171,23 @@ pub struct TransportConfig {
 }
 
 impl TransportConfig {
-    /// The format of the Simple FIFOs between ranks of one host. Where every rank of the
-    /// host has a core, they are `dedicated`, deeper: their short messages rotate through
-    /// all of their memory ([`fifo::SendEnd::set_rotating`]), and a walk longer than the
-    /// reader's L2 cache comes back to lines the reader has dropped, which the writer
-    /// takes without invalidating the reader's copy. Measured,
+    /// The formats of the Simple and the LL FIFOs between ranks of one host. Where every
+    /// rank of the host has a core, they are `dedicated`, deeper: short Simple messages
+    /// rotate through all of their memory ([`fifo::SendEnd::set_rotating`]), and a walk
+    /// longer than the reader's L2 cache comes back to lines the reader has dropped,
+    /// which the writer takes without invalidating the reader's copy. Measured,
     /// 2 ranks on 2 cores (1 MiB of L2 each), all-reduce: 8 slots of 128 KiB (1 MiB a
-    /// FIFO) → 16 (2 MiB): 32 KiB 3.4 → 2.3 µs, 64 KiB 5.9 → 4.2, 128 KiB 9.8 → 7.9. Ranks
-    /// that take turns on a core walk all of their FIFOs through that core's caches, so
-    /// there they are `crowded`, shorter: the larger FIFO measured slower (4 ranks on 2
-    /// cores: 16 slots against 8, 256 KiB 52 → 65–71 µs; 8 ranks, 2 slots against 8:
-    /// see [`crate::comm::CommConfig::crowded_slots`]).
-    fn local_geometry(&self, oversubscribed: bool) -> Geometry {
+    /// FIFO) → 16 (2 MiB): 32 KiB 3.4 → 2.3 µs, 64 KiB 5.9 → 4.2, 128 KiB 9.8 → 7.9. An LL
+    /// message lies at its slot's start, so there more slots are the longer walk (see
+    /// `CommConfig::dedicated_ll_slots`). Ranks that take turns on a core walk all of
+    /// their FIFOs through that core's caches, so there they are `crowded`, shorter: the
+    /// larger FIFO measured slower (4 ranks on 2 cores: 16 slots against 8, 256 KiB 52 →
+    /// 65–71 µs; 8 ranks, 2 slots against 8: see
+    /// [`crate::comm::CommConfig::crowded_slots`]).
+    fn local_geometries(&self, oversubscribed: bool) -> (Geometry, Option<Geometry>) {
         match oversubscribed {
-            true => self.crowded,
-            false => self.dedicated,
-        }
-    }
-
-    /// The format of the LL FIFOs between ranks of one host, deeper where every rank of
-    /// the host has a core, for the same reason as [`TransportConfig::local_geometry`]'s
-    /// (see `CommConfig::dedicated_ll_slots`).
-    fn local_ll_geometry(&self, oversubscribed: bool) -> Option<Geometry> {
-        match oversubscribed {
-            true => self.ll,
-            false => self.dedicated_ll,
+            true => (self.crowded, self.ll),
+            false => (self.dedicated, self.dedicated_ll),
         }
     }
 
@@ -602,8 +594,7 @@ impl Connections {
         // Every rank says which machine it runs on and which of its CPUs it may use; both
         // ends of a FIFO between ranks of this host see the same answer.
         let (oversubscribed, crowding) = CpuShare::gather(boot)?;
-        let local = config.local_geometry(oversubscribed);
-        let local_ll = config.local_ll_geometry(oversubscribed);
+        let (local, local_ll) = config.local_geometries(oversubscribed);
         let formats: Vec<Geometry> = std::iter::once(local).chain(local_ll).collect();
         let shm = shm::SharedMemory::create(boot, &routes, &config.rings, &formats, &mut ends)?;
         let tcp_links =
@@ -1279,16 +1270,13 @@ mod tests {
             #[cfg(feature = "rdma")]
             rdma: super::rdma::RdmaConfig::default(),
         };
-        let local = config.local_geometry(false);
+        let (local, local_ll) = config.local_geometries(false);
         assert_eq!((local.slots, local.slot_bytes), (16, 128 << 10));
-        let crowded = config.local_geometry(true);
+        let (crowded, crowded_ll) = config.local_geometries(true);
         assert_eq!((crowded.slots, crowded.slot_bytes), (2, 128 << 10));
-        let ll = |oversubscribed| {
-            let g = config.local_ll_geometry(oversubscribed).unwrap();
-            (g.slots, g.payload(), g.protocol)
-        };
-        assert_eq!(ll(false), (32, 4096, Protocol::LL));
-        assert_eq!(ll(true), (8, 4096, Protocol::LL));
+        let ll = |g: Option<Geometry>| g.map(|g| (g.slots, g.payload(), g.protocol));
+        assert_eq!(ll(local_ll), Some((32, 4096, Protocol::LL)));
+        assert_eq!(ll(crowded_ll), Some((8, 4096, Protocol::LL)));
         config.validate(2).unwrap();
         for (dedicated_ll, wrong) in [
             (Geometry::ll(32, 2048), "of one payload"),
