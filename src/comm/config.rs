@@ -377,13 +377,9 @@ impl CommConfig {
         self.crowded_geometry().validate()?;
         #[cfg(feature = "rdma")]
         self.rdma.validate()?;
-        if let Some(ll) = self.ll_geometry() {
+        if let (Some(ll), Some(dedicated)) = (self.ll_geometry(), self.dedicated_ll_geometry()) {
             ll.validate()?;
-            Geometry {
-                slots: self.dedicated_ll_slots,
-                ..ll
-            }
-            .validate()?;
+            dedicated.validate()?;
             if self.ll_payload_bytes < 64
                 || !self.ll_payload_bytes.is_multiple_of(64)
                 || self.ll_payload_bytes > self.slot_bytes
