@@ -229,6 +229,36 @@ fn crowded_ranks_stream_middle_sized_results_correctly() {
     }
 }
 
+/// `FERROCCL_LL_SLOTS` sizes the LL FIFOs between processes of this host (the log
+/// names the count), the calls through them stay right, and a count that is not a power
+/// of two is refused by name.
+#[test]
+fn ll_slots_come_from_the_environment() {
+    let with = |slots: &str| {
+        Command::new(tool("all_reduce_perf"))
+            .args("-np 2 -b 8 -e 64K -f 8 -n 2 -w 1 --no-progress".split_whitespace())
+            .env_remove("RANK")
+            .envs([
+                ("FERROCCL_LL_SLOTS", slots),
+                ("FERROCCL_PROTO", "LL"),
+                ("FERROCCL_DEBUG", "INFO"),
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = with("16");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let rows = rows(&stdout);
+    assert_eq!(rows.len(), 5, "{stdout}");
+    assert!(rows.iter().all(|r| r[8] == "0" && r[12] == "0"), "{stdout}");
+    assert!(stderr.contains("LL FIFOs of 16 x 4096 B"), "{stderr}");
+    let out = with("24");
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("FIFO slots 24"), "{all}");
+}
+
 #[test]
 fn bus_bandwidth_factors_per_collective() {
     let dir = tempfile::tempdir().unwrap();
