@@ -103,8 +103,9 @@ fn on_two_threads(
     let (mut tx01, mut rx01) = fifo(&format!("{group}-01"), g);
     let (mut tx10, mut rx10) = fifo(&format!("{group}-10"), g);
     if exchange {
-        exchange_slots(&mut tx01, &mut rx10).unwrap();
-        exchange_slots(&mut tx10, &mut rx01).unwrap();
+        // Rank 0 is the lower of the two.
+        exchange_slots(&mut tx01, &mut rx10, true).unwrap();
+        exchange_slots(&mut tx10, &mut rx01, false).unwrap();
     }
     let mut group = c.benchmark_group(group);
     group

@@ -266,7 +266,11 @@ impl Default for CostModel {
     /// in an all-reduce it falls behind from 4 KiB, with 4 KiB slots and 64 KiB ones
     /// alike (8 KiB: 1.6–1.75 µs against 1.22–1.28), and rotating LL messages through
     /// their slots as Simple's rotate gained little (8 KiB: 4.3 → 4.0 µs against
-    /// Simple's 2.3, far), so the reason is still open. Fitted, 7.5 GB/s puts the
+    /// Simple's 2.3, far). The reason, found 2026-11-30: the sender wrote lines the
+    /// receiver's cache held; where every rank has a core the two LL FIFOs of a pair now
+    /// exchange slots, and there LL leads Simple up to 16 KiB (2 ranks, 4 KiB: 0.95–1.05
+    /// µs against 1.15–1.37), which this one model, fitted for crowded hosts too, does
+    /// not know yet. Fitted, 7.5 GB/s puts the
     /// 2-rank one-shot's crossover at 3 KB, where the measured one lies (2 KiB: LL 0.70
     /// µs, Simple 0.75; 4 KiB: 1.04 against 0.95; it was ~2 GB/s with a flag in every
     /// 8-byte line); single copy between processes hands off in 2.3 µs (a descriptor,

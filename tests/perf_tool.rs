@@ -231,7 +231,7 @@ fn crowded_ranks_stream_middle_sized_results_correctly() {
 
 /// `FERROCCL_LL_SLOTS` sizes the LL FIFOs between processes of this host (the log
 /// names the count), the calls through them stay right, and a count that is not a power
-/// of two is refused by name.
+/// of two, or more than an LL FIFO's records leave room for, is refused by name.
 #[test]
 fn ll_slots_come_from_the_environment() {
     let with = |slots: &str| {
@@ -253,10 +253,12 @@ fn ll_slots_come_from_the_environment() {
     assert_eq!(rows.len(), 5, "{stdout}");
     assert!(rows.iter().all(|r| r[8] == "0" && r[12] == "0"), "{stdout}");
     assert!(stderr.contains("LL FIFOs of 16 x 4096 B"), "{stderr}");
-    let out = with("24");
-    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
-    assert!(!out.status.success(), "{all}");
-    assert!(all.contains("FIFO slots 24"), "{all}");
+    for (slots, says) in [("24", "FIFO slots 24"), ("64", "FIFO slots 64")] {
+        let out = with(slots);
+        let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+        assert!(!out.status.success(), "{all}");
+        assert!(all.contains(says) && all.contains("2..=32 for LL"), "{all}");
+    }
 }
 
 #[test]

@@ -75,10 +75,11 @@ pub struct CommConfig {
     /// calls time faster ([`crate::tune::stores`], which with auto also decides whether
     /// results of 8 MiB or more are streamed).
     pub slot_stores: SlotStores,
-    /// Whether the two Simple FIFOs between two ranks of one host exchange slots: a
-    /// rank writes what it sends into the memory it has just drained of what its peer
+    /// Whether the two FIFOs of a protocol between two ranks of one host exchange slots:
+    /// a rank writes what it sends into the memory it has just drained of what its peer
     /// sent it, which its cache holds, instead of into memory the peer's cache holds
-    /// (see [`crate::transport::fifo`], "Slots that change direction").
+    /// (see [`crate::transport::fifo`], "Slots that change direction"). Simple FIFOs
+    /// always, LL FIFOs where every rank of the host has a core.
     pub slot_exchange: bool,
     /// The algorithms the cost model may choose from (one to force it), for the
     /// collectives each applies to ([`Algorithm::applies_to`]).

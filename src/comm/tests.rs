@@ -404,6 +404,54 @@ fn alternating_calls_keep_their_plans_and_stay_right() {
 }
 
 #[test]
+fn two_ranks_with_a_core_each_exchange_ll_slots_and_stay_right() {
+    // LL all-reduces long enough to move their slots (2 and 4 KiB, and a ring of many
+    // slots), then short and odd ones that do not, in place and not, one-shot and ring,
+    // with the slots exchanged and kept; the LL FIFOs pair where every rank has a core.
+    for exchange in [true, false] {
+        for algorithm in [Algorithm::OneShot, Algorithm::Ring] {
+            let config = CommConfig {
+                timeout: std::time::Duration::from_secs(30),
+                slot_exchange: exchange,
+                algorithms: vec![algorithm],
+                protocols: vec![Protocol::LL],
+                ..CommConfig::default()
+            };
+            let cs = Communicator::init_all_with(2, config).unwrap();
+            on_all(&cs, |c| {
+                for (call, count) in [512usize, 1024, 1, 7, 509, 1021, 100_003, 512]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let what = format!("exchange {exchange}, {algorithm:?}, count {count}");
+                    let send: Vec<i32> = (0..count)
+                        .map(|i| ((i * 7 + call) % 101) as i32 - 50 + 3 * c.rank() as i32)
+                        .collect();
+                    let want: Vec<i32> = (0..count)
+                        .map(|i| 2 * (((i * 7 + call) % 101) as i32 - 50) + 3)
+                        .collect();
+                    let mut recv = vec![0i32; count];
+                    c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+                    assert_eq!(recv, want, "{what}, out of place");
+                    let mut inplace = send.clone();
+                    c.all_reduce_in_place(&mut inplace, ReduceOp::Sum).unwrap();
+                    assert_eq!(inplace, want, "{what}, in place");
+                }
+                let mut st = c.lock();
+                let dedicated = !st.conns.oversubscribed();
+                let (send, _) = st.conns.ends(0, Protocol::LL, Some(1 - c.rank()), None);
+                assert_eq!(
+                    send.expect("the LL FIFO").exchanges_slots(),
+                    exchange && dedicated,
+                    "rank {}, {algorithm:?}",
+                    c.rank()
+                );
+            });
+        }
+    }
+}
+
+#[test]
 fn two_ranks_exchange_slots_unless_told_not_to_and_stay_right_either_way() {
     // All-reduces (a ring of many slots each way, then prime and tiny counts) and
     // broadcasts (one way only, so the swaps stop for want of a free slot the other

@@ -48,8 +48,8 @@ pub(super) struct LazyFifos {
     /// Whether the FIFOs rotate short messages through their slots
     /// ([`fifo::SendEnd::set_rotating`]: where every rank has a core of its own).
     pub(super) rotating: bool,
-    /// Whether the two Simple FIFOs between this rank and a peer exchange slots
-    /// ([`fifo::exchange_slots`]).
+    /// Whether the two FIFOs of a protocol between this rank and a peer exchange slots
+    /// ([`fifo::exchange_slots`]; LL only where `rotating`, every rank with a core).
     pub(super) slot_exchange: bool,
 }
 
@@ -163,7 +163,13 @@ impl Connections {
         // Both ranks of each new FIFO reach this point in the same call, before either
         // uses it.
         if self.lazy.slot_exchange {
-            super::exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank)?;
+            super::exchange_local_slots(
+                &mut self.sends,
+                &mut self.recvs,
+                &self.links,
+                rank,
+                super::exchanging_protocols(self.lazy.rotating),
+            )?;
         }
         tracing::debug!(
             "rank {rank}: {} {} #{}: made FIFOs from {:?}, to {:?}",

@@ -149,8 +149,8 @@ pub struct TransportConfig {
     pub single_copy: bool,
     /// How slots towards peers on this host are written.
     pub slot_stores: SlotStores,
-    /// Whether the two Simple FIFOs between two ranks of this host exchange slots
-    /// ([`fifo::exchange_slots`]).
+    /// Whether the two FIFOs of a protocol between two ranks of this host exchange
+    /// slots ([`fifo::exchange_slots`]; LL FIFOs only where every rank has a core).
     pub slot_exchange: bool,
     /// The ring of each collective channel (every channel connects every pair of ranks).
     pub rings: Vec<Vec<usize>>,
@@ -437,7 +437,7 @@ impl Ends {
     /// Where `on`, pairs this rank's Simple FIFOs to and from each peer of this host
     /// to exchange slots ([`exchange_local_slots`]), and says at INFO with which peers
     /// it does, or that it is off.
-    fn exchange_local_slots(&mut self, rank: usize, on: bool) -> Result<()> {
+    fn exchange_local_slots(&mut self, rank: usize, on: bool, dedicated: bool) -> Result<()> {
         if !on {
             tracing::info!(
                 "rank {rank}: slot exchange off (FERROCCL_SLOT_EXCHANGE=0, or \
@@ -446,7 +446,13 @@ impl Ends {
             );
             return Ok(());
         }
-        exchange_local_slots(&mut self.sends, &mut self.recvs, &self.links, rank)?;
+        exchange_local_slots(
+            &mut self.sends,
+            &mut self.recvs,
+            &self.links,
+            rank,
+            exchanging_protocols(dedicated),
+        )?;
         let simple = &self.sends[Protocol::Simple.index()];
         // Peers in order, each once (a peer's FIFOs on several channels pair alike), as
         // the routes line lists them.
@@ -460,9 +466,13 @@ impl Ends {
             })
             .collect();
         if !paired.is_empty() {
+            let which = match dedicated {
+                true => "Simple and LL",
+                false => "Simple",
+            };
             tracing::info!(
-                "rank {rank}: the FIFOs to and from ranks {paired:?} exchange slots (a rank \
-                 sends in the memory it has just drained)"
+                "rank {rank}: the {which} FIFOs to and from ranks {paired:?} exchange slots \
+                 (a rank sends in the memory it has just drained)"
             );
         }
         Ok(())
@@ -478,30 +488,43 @@ impl Ends {
     }
 }
 
-/// Pairs every Simple FIFO this rank sends on towards a peer of this host with the one
-/// it receives on from the same peer on the same channel, where both exist and are not
-/// paired yet, so that the two exchange slots ([`fifo::exchange_slots`]). Every rank
-/// calls it at the same points (after establishment, after each connection phase), so
-/// both ranks of a pair pair their ends before either uses them again. FIFOs of a
+/// The protocols whose FIFOs between ranks of one host exchange slots: Simple always,
+/// LL only where every rank of the host has a core (`dedicated`). An LL slot that moves
+/// costs its next reader a look at a record the other rank wrote; with a core each, the
+/// writer saves more than that by writing lines its own cache holds (2 ranks, 2 KiB
+/// all-reduce, 0.86–0.97 → 0.70–0.78 µs), but ranks that take turns on a core find the
+/// lines in that core's cache anyway, and there the records only cost (8 ranks on 2
+/// cores, 4–8 KiB: 14.6 → 14.8–17.7 µs and 19.6–20.3 → 21.1–22.7).
+fn exchanging_protocols(dedicated: bool) -> &'static [Protocol] {
+    match dedicated {
+        true => &[Protocol::Simple, Protocol::LL],
+        false => &[Protocol::Simple],
+    }
+}
+
+/// Pairs every FIFO of `protocols` this rank sends on towards a peer of this host with
+/// the one it receives on from the same peer on the same channel, where both exist and
+/// are not paired yet, so that the two exchange slots ([`fifo::exchange_slots`]). Every
+/// rank calls it at the same points (after establishment, after each connection phase),
+/// so both ranks of a pair pair their ends before either uses them again. FIFOs of a
 /// network link (`links`) are filled and drained by proxies and never pair.
 fn exchange_local_slots(
     sends: &mut [Vec<Vec<Option<SendEnd>>>],
     recvs: &mut [Vec<Vec<Option<RecvEnd>>>],
     links: &[Vec<Option<NetLink>>],
     rank: usize,
+    protocols: &[Protocol],
 ) -> Result<()> {
-    let simple = Protocol::Simple.index();
-    for (ci, (to, from)) in sends[simple]
-        .iter_mut()
-        .zip(recvs[simple].iter_mut())
-        .enumerate()
-    {
-        for (peer, (send, recv)) in to.iter_mut().zip(from.iter_mut()).enumerate() {
-            let other_on_host = peer != rank && on_host(links, ci, peer);
-            if let (Some(send), Some(recv), true) = (send, recv, other_on_host)
-                && !send.exchanges_slots()
-            {
-                fifo::exchange_slots(send, recv)?;
+    for &protocol in protocols {
+        let f = protocol.index();
+        for (ci, (to, from)) in sends[f].iter_mut().zip(recvs[f].iter_mut()).enumerate() {
+            for (peer, (send, recv)) in to.iter_mut().zip(from.iter_mut()).enumerate() {
+                let other_on_host = peer != rank && on_host(links, ci, peer);
+                if let (Some(send), Some(recv), true) = (send, recv, other_on_host)
+                    && !send.exchanges_slots()
+                {
+                    fifo::exchange_slots(send, recv, rank < peer)?;
+                }
             }
         }
     }
@@ -614,7 +637,7 @@ impl Connections {
         // sent yet.
         boot.barrier()?;
         ends.rotate_local(&routes, !oversubscribed);
-        ends.exchange_local_slots(rank, config.slot_exchange)?;
+        ends.exchange_local_slots(rank, config.slot_exchange, !oversubscribed)?;
         if !oversubscribed {
             tracing::info!(
                 "rank {rank}: every rank here has a core: short messages rotate through \
