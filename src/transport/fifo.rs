@@ -708,7 +708,8 @@ pub fn send_end(seg: Segment, geometry: Geometry, name: &str) -> Result<SendEnd>
 /// LL headers apart. The peer must pair its two ends of the same two FIFOs before it
 /// uses either again, and both before this rank uses either again. Only for FIFOs of one
 /// shape (Simple or LL) that the engine alone writes and reads (no proxy), with no slot
-/// reserved or peeked; pairing twice is an error.
+/// reserved or peeked, and for LL every message published read; pairing twice is an
+/// error.
 pub fn exchange_slots(send: &mut SendEnd, recv: &mut RecvEnd, lower: bool) -> Result<()> {
     let (g, h) = (send.shared.geometry, recv.shared.geometry);
     if g != h || g.protocol == Protocol::SingleCopy {
@@ -719,6 +720,17 @@ pub fn exchange_slots(send: &mut SendEnd, recv: &mut RecvEnd, lower: bool) -> Re
     }
     if send.partner.is_some() || recv.partner.is_some() {
         return Err(Error::invalid("a FIFO end already exchanges slots"));
+    }
+    // An LL message published before the pairing carries no direction, and its reader
+    // would wait for one; ranks pair between calls, when every message has been read.
+    let unread = send
+        .head
+        .wrapping_sub(send.shared.tail().load(Ordering::Acquire));
+    if g.protocol == Protocol::LL && unread != 0 {
+        return Err(Error::invalid(format!(
+            "an LL FIFO cannot start exchanging slots with {unread} message(s) its peer \
+             has not read"
+        )));
     }
     let cursor = Arc::new(ExchangeCursor {
         untouched: AtomicU32::new(send.head),
@@ -1261,6 +1273,19 @@ mod tests {
         }
         let g = simple;
         let (_, mut a_recv, _, _) = exchanging(g, "drained-paired");
+        // An LL FIFO with a message not yet read cannot pair (its header carries no
+        // direction); once it is read, it can.
+        let ll = Geometry::ll(4, 64);
+        let (mut tx, mut rx) = pair(ll, "drained-unread");
+        let (mut tx_back, mut rx_back) = pair(ll, "drained-unread-back");
+        tx.try_reserve(8).unwrap();
+        tx.commit(8);
+        let err = exchange_slots(&mut tx, &mut rx_back, true).unwrap_err();
+        assert!(err.to_string().contains("1 message(s)"), "{err}");
+        rx.try_peek().unwrap();
+        rx.release();
+        exchange_slots(&mut tx, &mut rx_back, true).unwrap();
+        exchange_slots(&mut tx_back, &mut rx, false).unwrap();
         // FIFOs of two shapes cannot pair, nor can a paired end pair again.
         let (mut tx, _rx) = pair(Geometry::ll(4, 64), "drained-ll");
         let (_tx, mut rx) = pair(g, "drained-simple");
