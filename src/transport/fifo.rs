@@ -209,7 +209,10 @@ impl Geometry {
     /// Most slots a FIFO of this protocol can have: their records must fit before
     /// [`DATA_OFFSET`] ([`MAX_SLOTS`] for Simple, [`MAX_LL_SLOTS`] for LL).
     pub fn max_slots(&self) -> usize {
-        (DATA_OFFSET - SIZES) / self.record_bytes()
+        match self.protocol {
+            Protocol::LL => MAX_LL_SLOTS,
+            _ => MAX_SLOTS,
+        }
     }
 
     /// Checks the shape.
@@ -369,8 +372,17 @@ impl Shared {
         counter as usize & (self.geometry.slots - 1)
     }
 
+    /// Where the memory of slot `counter` lies: in this FIFO's own memory, or, when it
+    /// exchanges slots with `partner`, wherever the slot's record says.
+    fn slot_in_pair(&self, partner: Option<&Partner>, counter: u32) -> *mut u8 {
+        match partner {
+            None => self.slot_ptr(counter),
+            Some(partner) => partner.resolve(self, counter),
+        }
+    }
+
     /// The slot of counter value `counter` where it was formatted, in this FIFO's own
-    /// memory (LL slots never move).
+    /// memory.
     fn slot_ptr(&self, counter: u32) -> *mut u8 {
         self.own_slot(self.slot_of(counter))
     }
@@ -500,6 +512,11 @@ impl Partner {
 /// slot's previous use.
 fn ll_flag(counter: u32) -> u32 {
     counter.wrapping_add(1)
+}
+
+/// The byte count in an LL header (its low half, below [`LL_DIRECTION`]).
+fn ll_len(header: u64) -> usize {
+    (header & (LL_DIRECTION - 1)) as usize
 }
 
 /// Where in its slot a rotating FIFO places the message of `len` bytes published as
@@ -805,13 +822,9 @@ impl SendEnd {
         self.shared.message_at(self.slot(counter))
     }
 
-    /// Where the memory of slot `counter` lies: its own, or where a paired FIFO moved
-    /// it.
+    /// Where the memory of slot `counter` lies ([`Shared::slot_in_pair`]).
     fn slot(&self, counter: u32) -> *mut u8 {
-        match &self.partner {
-            None => self.shared.slot_ptr(counter),
-            Some(partner) => partner.resolve(&self.shared, counter),
-        }
+        self.shared.slot_in_pair(self.partner.as_ref(), counter)
     }
 
     /// Loads the receiver's `tail` (acquire), and tells the receiving end of a pair.
@@ -916,13 +929,9 @@ impl RecvEnd {
         unsafe { slot.add(rotation(self.shared.geometry, counter, len)) }
     }
 
-    /// Where the memory of slot `counter` lies: its own, or where a paired FIFO moved
-    /// it.
+    /// Where the memory of slot `counter` lies ([`Shared::slot_in_pair`]).
     fn slot(&self, counter: u32) -> *mut u8 {
-        match &self.partner {
-            None => self.shared.slot_ptr(counter),
-            Some(partner) => partner.resolve(&self.shared, counter),
-        }
+        self.shared.slot_in_pair(self.partner.as_ref(), counter)
     }
 
     /// Most bytes one slot carries.
@@ -1003,7 +1012,7 @@ impl RecvEnd {
         if header >> 31 != u64::from(ll_flag(counter)) << 1 | self.ll_direction >> 31 {
             return None;
         }
-        let len = ((header & (LL_DIRECTION - 1)) as usize).min(self.shared.geometry.payload());
+        let len = ll_len(header).min(self.shared.geometry.payload());
         Some((self.shared.message_at(slot) as *const u8, len))
     }
 
@@ -1015,7 +1024,7 @@ impl RecvEnd {
         }
         // SAFETY: the slot's memory, as `slot` finds it (still this end's).
         let header = unsafe { self.shared.ll_header_at(self.slot(counter)) };
-        (header.load(Ordering::Relaxed) & (LL_DIRECTION - 1)) as usize >= LL_EXCHANGE_FROM
+        ll_len(header.load(Ordering::Relaxed)) >= LL_EXCHANGE_FROM
     }
 
     /// Counts a hand-off that took `cycles` and publishes a changed verdict for the

@@ -434,9 +434,9 @@ impl Ends {
         each_local(&mut self.recvs, routes, |e| e.set_rotating(on));
     }
 
-    /// Where `on`, pairs this rank's Simple FIFOs to and from each peer of this host
-    /// to exchange slots ([`exchange_local_slots`]), and says at INFO with which peers
-    /// it does, or that it is off.
+    /// Where `on`, pairs this rank's FIFOs to and from each peer of this host to exchange
+    /// slots ([`exchange_local_slots`]; LL ones only where every rank has a core,
+    /// `dedicated`), and says at INFO with which peers it does, or that it is off.
     fn exchange_local_slots(&mut self, rank: usize, on: bool, dedicated: bool) -> Result<()> {
         if !on {
             tracing::info!(
