@@ -340,11 +340,15 @@ fn device_config(protocol: Protocol) -> CommConfig {
     config_of(Shape::of(protocol))
 }
 
+/// The communicators of these tests: `shape`'s channels and protocol, and a timeout far
+/// above any call's time here (a second at most) but far below the default ten minutes,
+/// so that a test whose rank fails ends soon with the failure rather than waiting.
 fn config_of(shape: Shape) -> CommConfig {
     CommConfig {
         channels: shape.channels,
         device_channels: Some(shape.channels),
         protocols: vec![shape.protocol],
+        timeout: std::time::Duration::from_secs(120),
         ..CommConfig::default()
     }
 }
@@ -403,6 +407,27 @@ fn device_results(
     device_results_of(contexts, collective, Shape::of(protocol), blocked)
 }
 
+/// A new stream for each rank, made before the ranks' threads start. cudarc's first
+/// stream of a context synchronises the whole context (`CudaContext::new_stream`, with
+/// its event tracking on); made in a rank's thread, that waits for a peer's kernel, or a
+/// stream the peer holds until its call returns, while they wait for this rank: a hang on
+/// a GPU, and on the simulated driver (CI, 2026-11-30:
+/// `gpu_a_call_returns_before_its_stream_runs_it`).
+fn rank_streams(contexts: &[&Arc<CudaContext>]) -> Vec<Arc<CudaStream>> {
+    contexts.iter().map(|c| c.new_stream().unwrap()).collect()
+}
+
+/// Sets a flag the stream waits on when dropped, so that a rank whose thread fails
+/// before releasing its stream leaves no stream waiting forever behind it.
+struct Release<'a>(&'a cuda::MappedHostBuffer);
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the mapped word the stream waits on.
+        unsafe { std::ptr::write_volatile(self.0.host() as *mut u32, 1) };
+    }
+}
+
 /// [`device_results`] in any [`Shape`].
 fn device_results_of(
     contexts: &[Arc<CudaContext>],
@@ -412,19 +437,20 @@ fn device_results_of(
 ) -> Vec<Vec<i32>> {
     let n = contexts.len();
     let comms = Communicator::init_all_with(n, config_of(shape)).unwrap();
+    let streams = rank_streams(&contexts.iter().collect::<Vec<_>>());
     // No rank frees its memory until every rank's call has finished: a free waits for
     // the whole device, and blocks this process's other launches meanwhile (with NCCL
-    // too), so a rank freeing while a peer has yet to launch hangs on a GPU.
-    let finished = std::sync::Barrier::new(n);
-    std::thread::scope(|s| {
+    // too), so a rank freeing while a peer has yet to launch hangs on a GPU. The ranks
+    // hand their memory back here, to be freed once every thread has ended (a barrier
+    // would wait forever for a rank whose thread failed).
+    let ranks: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .zip(contexts)
-            .map(|(c, ctx)| {
-                let finished = &finished;
+            .zip(streams)
+            .map(|((c, ctx), stream)| {
                 s.spawn(move || {
                     ctx.bind_to_thread().unwrap();
-                    let stream = ctx.new_stream().unwrap();
                     let rank = c.rank();
                     let (in_len, out_len) = collective.buffer_lens(COUNT, rank, n);
                     let input = int_input(rank, in_len);
@@ -451,6 +477,7 @@ fn device_results_of(
                     let base_out = out.device_ptr(&stream).0;
                     let base_in = x.as_ref().map_or(base_out, |x| x.device_ptr(&stream).0);
                     let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
+                    let release = Release(&flag);
                     if blocked {
                         // SAFETY: a mapped host word; the stream waits until it is 1.
                         let rc = unsafe {
@@ -482,19 +509,25 @@ fn device_results_of(
                         // SAFETY: a live stream.
                         let rc = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
                         assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY);
-                        // SAFETY: the mapped word the stream waits on.
-                        unsafe { std::ptr::write_volatile(flag.host() as *mut u32, 1) };
                     }
+                    drop(release);
                     stream.synchronize().unwrap();
                     c.synchronize_device().unwrap();
                     let v = stream.clone_dtoh(&out).unwrap();
-                    finished.wait();
-                    v[result_at..result_at + out_len].to_vec()
+                    (v[result_at..result_at + out_len].to_vec(), (x, out, flag))
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+        hs.into_iter().map(|h| h.join()).collect()
+    });
+    let mut results = Vec::with_capacity(n);
+    for (rank, r) in ranks.into_iter().enumerate() {
+        match r {
+            Ok((v, _memory)) => results.push(v),
+            Err(_) => panic!("rank {rank}'s thread failed (its message is above)"),
+        }
+    }
+    results
 }
 
 fn check_device_collective(
@@ -702,14 +735,14 @@ unsafe fn enqueue_all_reduce(
     unsafe { c.enqueue_device(&[call], stream.cu_stream() as *mut std::ffi::c_void) }
 }
 
-/// Rank `c`'s all-reduce of [`COUNT`] int32 on a new stream of `ctx`'s GPU, waited for:
-/// the outcome `synchronize_device` reports, and the output.
+/// Rank `c`'s all-reduce of [`COUNT`] int32 on `stream` (of `ctx`, made by
+/// [`rank_streams`]), waited for: the outcome `synchronize_device` reports, and the output.
 fn all_reduce_on_a_stream_of_its_own(
     ctx: &Arc<CudaContext>,
+    stream: Arc<CudaStream>,
     c: &Communicator,
 ) -> (ferroccl::Result<()>, Vec<i32>) {
     ctx.bind_to_thread().unwrap();
-    let stream = ctx.new_stream().unwrap();
     let x = stream.clone_htod(&int_input(c.rank(), COUNT)).unwrap();
     let mut out = stream.alloc_zeros::<i32>(COUNT).unwrap();
     // SAFETY: buffers of COUNT elements, kept until the stream is synchronised.
@@ -725,10 +758,11 @@ fn all_reduce_on_a_stream_of_its_own(
 /// so that their FIFOs are connected; checked.
 fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
     let n = comms.len();
+    let streams = rank_streams(&vec![ctx; n]);
     std::thread::scope(|s| {
-        for c in comms {
+        for (c, stream) in comms.iter().zip(streams) {
             s.spawn(move || {
-                let (outcome, got) = all_reduce_on_a_stream_of_its_own(ctx, c);
+                let (outcome, got) = all_reduce_on_a_stream_of_its_own(ctx, stream, c);
                 outcome.unwrap();
                 assert_eq!(got, int_sum(n, COUNT));
             });
@@ -905,18 +939,19 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
     let sum_of = |len: usize, times: i32| -> Vec<i32> {
         int_sum(n, len).iter().map(|x| x * times).collect()
     };
+    let streams = rank_streams(&vec![&ctx; 2 * n]);
     std::thread::scope(|s| {
-        for c in &comms {
+        for (c, pair) in comms.iter().zip(streams.chunks(2)) {
             let ctx = &ctx;
             s.spawn(move || {
                 ctx.bind_to_thread().unwrap();
-                let (first, second) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+                let (first, second) = (&pair[0], &pair[1]);
                 let mut outs = Vec::new();
                 for &len in &sizes {
                     let x = first.clone_htod(&int_input(c.rank(), len)).unwrap();
                     let mut out = first.alloc_zeros::<i32>(len).unwrap();
                     // SAFETY: buffers of `len` elements, kept until the streams finish.
-                    unsafe { enqueue_all_reduce(c, &x, &mut out, &first) }.unwrap();
+                    unsafe { enqueue_all_reduce(c, &x, &mut out, first) }.unwrap();
                     outs.push((x, out));
                 }
                 // The second stream waits for the first (an event), then all-reduces the
@@ -926,7 +961,7 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
                 let (_, ref third) = outs[2];
                 let mut again = second.alloc_zeros::<i32>(COUNT).unwrap();
                 // SAFETY: as above.
-                unsafe { enqueue_all_reduce(c, third, &mut again, &second) }.unwrap();
+                unsafe { enqueue_all_reduce(c, third, &mut again, second) }.unwrap();
                 second.synchronize().unwrap();
                 first.synchronize().unwrap();
                 c.synchronize_device().unwrap();
@@ -974,11 +1009,15 @@ fn gpu_staged_fifos_leave_no_names_in_dev_shm() {
     let failing = std::env::var("FERROCCL_SIM_FAIL").as_deref() == Ok("cuMemHostRegister_v2");
     let contexts: Vec<_> = (0..2).map(|d| CudaContext::new(d).unwrap()).collect();
     let comms = Communicator::init_all_with(2, config_of(Shape::of(Protocol::Simple))).unwrap();
+    let streams = rank_streams(&contexts.iter().collect::<Vec<_>>());
     let outcomes: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .zip(&contexts)
-            .map(|(c, ctx)| s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, c)))
+            .zip(streams)
+            .map(|((c, ctx), stream)| {
+                s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, stream, c))
+            })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
@@ -1025,13 +1064,15 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
         })
     };
     let comms = Communicator::init_all_with(2, config).unwrap();
+    let streams = rank_streams(&[&ctx, &ctx]);
     let started = std::time::Instant::now();
     let outcomes: Vec<ferroccl::Result<()>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
-            .map(|c| {
+            .zip(streams)
+            .map(|(c, stream)| {
                 let ctx = &ctx;
-                s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, c).0)
+                s.spawn(move || all_reduce_on_a_stream_of_its_own(ctx, stream, c).0)
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()

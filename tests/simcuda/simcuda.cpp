@@ -1132,6 +1132,9 @@ SIM_API CUresult cuCtxGetDevice(CUdevice* dev) {
   return CUDA_SUCCESS;
 }
 
+long sync_timeout_s();
+bool wait_for_queued(std::unique_lock<std::mutex>& lock, const std::vector<Stream*>& busy);
+
 SIM_API CUresult cuCtxSynchronize() {
   FAULT_POINT();
   std::unique_lock<std::mutex> lock(mu);
@@ -1141,7 +1144,15 @@ SIM_API CUresult cuCtxSynchronize() {
   for (Stream* s : streams)
     if (s->ctx == c) all.push_back(s);
   if (c->legacy) all.push_back(c->legacy);
-  for (Stream* s : all) drain(lock, s);
+  // A stream held by a wait that only this thread's later calls would release never
+  // drains (cudarc's first stream of a context synchronises it: two ranks of one process
+  // hung so in CI, 2026-11-30); on a GPU that is a hang, here an error after the timeout.
+  if (!wait_for_queued(lock, all)) {
+    say("cuCtxSynchronize waited %lds for GPU %d's queued work, which does not finish: on a GPU this is a "
+        "hang (a stream waits for something only a later call can give it)",
+        sync_timeout_s(), c->device);
+    return CUDA_ERROR_ILLEGAL_STATE;
+  }
   return c->sticky;
 }
 
