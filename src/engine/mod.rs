@@ -31,7 +31,7 @@ use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::reduce::copy::{copy, copy_maybe_overlapping};
-use crate::reduce::stream::stream_copy;
+use crate::reduce::stream::{stream_copy, stream_copy_keeping};
 use crate::transport::fifo::RecvEnd;
 use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, Protocol};
@@ -843,9 +843,15 @@ unsafe fn move_slice(
                 }
             }
             Step::RecvCopySend { dst, .. } => {
-                store(addr(ops, &dst, skip), x, &dst);
-                if !o.is_null() {
-                    fill(x);
+                let d = addr(ops, &dst, skip);
+                if stream(&dst) && !o.is_null() && !stream_slot {
+                    // One pass: streamed to the output, kept in the cache for the slot.
+                    stream_copy_keeping(d, o, x, bytes);
+                } else {
+                    store(d, x, &dst);
+                    if !o.is_null() {
+                        fill(x);
+                    }
                 }
             }
             Step::Copy { .. } | Step::Reduce { .. } => unreachable!("local steps are not sliced"),
