@@ -101,7 +101,13 @@ unsafe fn zip_in_place<T: Copy>(dst: *mut T, src: *const T, n: usize, f: impl Bi
 /// # Safety
 /// `a`, `b` valid for reads and `dst` for writes of `n` elements.
 #[inline(always)]
-unsafe fn zip3<T: Copy>(dst: *mut T, a: *const T, b: *const T, n: usize, f: impl Binary<T>) {
+pub(super) unsafe fn zip3<T: Copy>(
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+    f: impl Binary<T>,
+) {
     for i in 0..n {
         // SAFETY: i < n and all three pointers are valid for n elements.
         unsafe {

@@ -28,6 +28,17 @@ pub(super) fn on_every_path(f: impl Fn()) {
     }
 }
 
+/// Every op, pre-mul-sum with a float scalar and with an integer one.
+pub(super) const EVERY_OP: [ReduceOp; 7] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Avg,
+    ReduceOp::PreMulSum(Scalar::Float(0.75)),
+    ReduceOp::PreMulSum(Scalar::Int(3)),
+];
+
 /// A small deterministic generator (xorshift64*), so failures reproduce.
 struct Rng(u64);
 
@@ -850,15 +861,6 @@ fn check_paths_agree<T: Element>() {
     let mut rng = Rng(0xD1B5_4A32_D192_ED03 ^ T::DTYPE as u64);
     let mut random = |len: usize| -> Vec<u8> { (0..len).map(|_| rng.next() as u8).collect() };
     let (a, b) = (random(n * size), random(n * size));
-    let ops = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Max,
-        ReduceOp::Min,
-        ReduceOp::Avg,
-        ReduceOp::PreMulSum(Scalar::Float(0.75)),
-        ReduceOp::PreMulSum(Scalar::Int(3)),
-    ];
     let same = |x: &[u8], y: &[u8]| -> bool {
         get::<T>(x, 0, n)
             .iter()
@@ -868,7 +870,7 @@ fn check_paths_agree<T: Element>() {
                 p == q || (p.is_nan() && q.is_nan())
             })
     };
-    for op in ops {
+    for op in EVERY_OP {
         let k = Kernel::new(T::DTYPE, op, 3).unwrap();
         let run = |isa: VectorIsa| -> (Vec<u8>, Vec<u8>) {
             with_isa(isa, || {
