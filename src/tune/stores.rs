@@ -36,8 +36,9 @@
 //! pairs, and the second call of each pair is timed (the first one finds the caches as
 //! the other way left them); from [`LARGE`], where the buffers outgrow the caches and
 //! calls are few and long, the first [`SINGLE_TRIAL_CALLS`] take the ways in turn call by
-//! call and each is timed. The way with the lowest median time is used until the next
-//! cycle.
+//! call and each is timed, and the trial ends after [`EARLY_ROUNDS`] rounds when one way
+//! is clearly fastest ([`CLEAR_LEAD`]). The way with the lowest median time is used
+//! until the next cycle.
 //!
 //! Where the trial falls is decided by the count of calls of the group alone (and the
 //! communicator's shape, the same on every rank), so ranks that make the same calls in
@@ -112,6 +113,21 @@ const PAIRED_SAMPLES: usize = 5;
 
 /// Timed calls of each way per trial from [`LARGE`].
 const SINGLE_SAMPLES: usize = 3;
+
+/// Rounds of a trial from [`LARGE`] after which it ends if one way is clearly fastest
+/// ([`CLEAR_LEAD`]): each of those calls is long, and a losing way's costs a sweep
+/// dearly. Measured (2026-12-01, Intel Xeon, far, `all_reduce_perf`'s 5 warm-up calls
+/// then ~20 timed): the trial's 9 calls reached 4 into the timed ones, and out of place
+/// (tried) ran at 4.28–4.44 GB/s on 4 ranks at 32 MiB against 4.71–4.80 with the winning
+/// way set from the start; 2 ranks at 128 MiB 6.04–6.22 against 6.42–6.71. The losing
+/// ways took 1.2–1.7× the winner's time.
+pub const EARLY_ROUNDS: usize = 2;
+
+/// How much faster than every other way a way's faster call of [`EARLY_ROUNDS`] must be
+/// for a trial from [`LARGE`] to end early: its time at most this share of theirs. (The
+/// faster of two calls, so that a first call that finds its buffers cold does not
+/// decide.)
+pub const CLEAR_LEAD: f64 = 0.9;
 
 /// Calls a trial takes below [`LARGE`]: pairs of calls, alternating the ways.
 pub const PAIRED_TRIAL_CALLS: u32 = (2 * 2 * PAIRED_SAMPLES) as u32;
@@ -209,8 +225,9 @@ pub struct Verdict {
     pub bytes: (usize, Option<usize>),
     /// The way those calls use until the next trial.
     pub stores: Stores,
-    /// The median time of a call written each way, in the order of [`Stores`]' variants
-    /// (`None`: a way the group does not try).
+    /// The median time of a call written each way (of a trial that ended early, the
+    /// faster of its two), in the order of [`Stores`]' variants (`None`: a way the group
+    /// does not try).
     pub medians: [Option<Duration>; 3],
     /// Whether it differs from the way those calls used before.
     pub changed: bool,
@@ -253,6 +270,8 @@ struct Group {
     from: u32,
     times: [[Duration; PAIRED_SAMPLES]; 3],
     chosen: Stores,
+    /// Whether this cycle's trial has ended early ([`EARLY_ROUNDS`]).
+    settled: bool,
     /// Trials completed.
     trials: u32,
 }
@@ -276,6 +295,7 @@ impl StoreTrial {
                 },
                 times: [[Duration::ZERO; PAIRED_SAMPLES]; 3],
                 chosen: BEFORE_FIRST_TRIAL,
+                settled: false,
                 trials: 0,
             }),
         }
@@ -294,10 +314,14 @@ impl StoreTrial {
         let g = &mut self.groups[group];
         let position = g.position;
         g.position = (position + 1) % CYCLE;
+        if position == 0 {
+            g.settled = false;
+        }
         let paired = paired(group);
         let ways = ways_of(group).len();
         let (per_way, from) = (if paired { 2 } else { 1 }, g.from);
-        if position < from || position >= from + (ways * samples_of(group)) as u32 * per_way {
+        let window = from..from + (ways * samples_of(group)) as u32 * per_way;
+        if g.settled || !window.contains(&position) {
             return (g.chosen, None);
         }
         let position = position - from;
@@ -323,26 +347,43 @@ impl StoreTrial {
 
     /// Records a timed call's `elapsed` time; after a trial's last sample, chooses the
     /// way with the lowest median (the earlier way of [`Stores`]' order on a tie) and
-    /// returns the verdict.
+    /// returns the verdict. A trial from [`LARGE`] ends after [`EARLY_ROUNDS`] when one
+    /// way's faster call took at most [`CLEAR_LEAD`] of every other's.
     pub fn record(&mut self, sample: Sample, elapsed: Duration) -> Option<Verdict> {
         let start = group_start(sample.group);
         let samples = samples_of(sample.group);
         let ways = ways_of(sample.group).len();
         let g = &mut self.groups[sample.group];
         g.times[sample.way][sample.index] = elapsed;
-        if sample.way != ways - 1 || sample.index != samples - 1 {
+        if sample.way != ways - 1 {
             return None;
         }
         let mut medians = [None; 3];
-        for (way, median) in medians.iter_mut().enumerate().take(ways) {
-            let t = &mut g.times[way][..samples];
-            t.sort_unstable();
-            *median = Some(t[samples / 2]);
+        let early = !paired(sample.group) && sample.index == EARLY_ROUNDS - 1;
+        if early {
+            for (way, median) in medians.iter_mut().enumerate().take(ways) {
+                *median = g.times[way][..EARLY_ROUNDS].iter().min().copied();
+            }
+            let fastest = fastest_of(&medians[..ways]);
+            let lead = medians[fastest].expect("every way timed").as_secs_f64();
+            let clear = (0..ways).filter(|&way| way != fastest).all(|way| {
+                lead <= CLEAR_LEAD * medians[way].expect("every way timed").as_secs_f64()
+            });
+            if !clear {
+                return None;
+            }
+            g.settled = true;
+        } else {
+            if sample.index != samples - 1 {
+                return None;
+            }
+            for (way, median) in medians.iter_mut().enumerate().take(ways) {
+                let t = &mut g.times[way][..samples];
+                t.sort_unstable();
+                *median = Some(t[samples / 2]);
+            }
         }
-        let fastest = (0..ways)
-            .min_by_key(|&way| medians[way])
-            .expect("a trial has ways");
-        let stores = Stores::WAYS[fastest];
+        let stores = Stores::WAYS[fastest_of(&medians[..ways])];
         let changed = stores != g.chosen;
         g.chosen = stores;
         g.trials += 1;
@@ -354,6 +395,13 @@ impl StoreTrial {
             changed,
         })
     }
+}
+
+/// The way with the lowest time (the earlier on a tie).
+fn fastest_of(times: &[Option<Duration>]) -> usize {
+    (0..times.len())
+        .min_by_key(|&way| times[way])
+        .expect("a trial has ways")
 }
 
 #[cfg(test)]
@@ -466,10 +514,11 @@ mod tests {
     #[test]
     fn large_calls_take_three_ways_call_by_call_and_time_each() {
         let mut trial = StoreTrial::new(2, 1, SLOT);
+        // No way leads by a clear margin: all three rounds.
         let (ways, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS + 2, |w| match w {
             Stores::Plain => us(900),
             Stores::NonTemporal => us(1500),
-            Stores::PlainSlots => us(700),
+            Stores::PlainSlots => us(850),
         });
         let tried = SINGLE_TRIAL_CALLS as usize;
         for (i, w) in ways[..tried].iter().enumerate() {
@@ -481,7 +530,7 @@ mod tests {
         assert_eq!(verdicts[0].bytes, (LARGE, Some(2 * LARGE)));
         assert_eq!(
             verdicts[0].medians,
-            [Some(us(1500)), Some(us(900)), Some(us(700))]
+            [Some(us(1500)), Some(us(900)), Some(us(850))]
         );
         // The next trial follows the machine to everything plain.
         let mut trial = StoreTrial::new(2, 1, SLOT);
@@ -494,6 +543,70 @@ mod tests {
         let (_, verdicts) = run(&mut trial, usize::MAX, SINGLE_TRIAL_CALLS, |_| us(1));
         assert_eq!(verdicts[0].bytes, (LARGEST_GROUP, None));
         assert_eq!(trial.trials_done(LARGEST_GROUP * 3), 1);
+    }
+
+    /// A large call's trial ends after two rounds when one way's faster call leads
+    /// every other way's by a clear margin (a first call made slow by cold buffers does
+    /// not decide it); the rest of the cycle uses that way untimed, and the next cycle
+    /// tries again from its start.
+    #[test]
+    fn a_large_trial_with_a_clear_winner_ends_after_two_rounds() {
+        let mut trial = StoreTrial::new(2, 1, SLOT);
+        let mut call = 0;
+        let mut time = |w: Stores| {
+            call += 1;
+            match w {
+                // The group's first call finds its buffers cold.
+                Stores::NonTemporal if call == 1 => us(5000),
+                Stores::NonTemporal => us(600),
+                Stores::Plain => us(900),
+                Stores::PlainSlots => us(720),
+            }
+        };
+        let mut ways = Vec::new();
+        let mut verdicts = Vec::new();
+        for _ in 0..CYCLE + SINGLE_TRIAL_CALLS {
+            let (way, sample) = trial.next(LARGE);
+            ways.push(way);
+            if let Some(s) = sample {
+                verdicts.extend(trial.record(s, time(way)));
+            }
+        }
+        let rounds = 3 * EARLY_ROUNDS;
+        for (i, w) in ways[..rounds].iter().enumerate() {
+            assert_eq!(*w, Stores::WAYS[i % 3], "call {i}");
+        }
+        let cycle = CYCLE as usize;
+        assert!(
+            ways[rounds..cycle]
+                .iter()
+                .all(|w| *w == Stores::NonTemporal)
+        );
+        assert_eq!(
+            verdicts[0].medians,
+            [Some(us(600)), Some(us(900)), Some(us(720))]
+        );
+        assert_eq!(verdicts[0].stores, Stores::NonTemporal);
+        // The next cycle's trial takes the ways in turn again, and ends early as well.
+        for (i, w) in ways[cycle..cycle + rounds].iter().enumerate() {
+            assert_eq!(*w, Stores::WAYS[i % 3], "call {i} of the second cycle");
+        }
+        assert!(
+            ways[cycle + rounds..]
+                .iter()
+                .all(|w| *w == Stores::NonTemporal)
+        );
+        assert_eq!(verdicts.len(), 2);
+        assert_eq!(trial.trials_done(LARGE), 2);
+        // A lead short of the margin takes the third round.
+        let mut trial = StoreTrial::new(2, 1, SLOT);
+        let (ways, verdicts) = run(&mut trial, LARGE, SINGLE_TRIAL_CALLS, |w| match w {
+            Stores::PlainSlots => us(740),
+            _ => us(780),
+        });
+        assert_eq!(ways[rounds..], Stores::WAYS[..]);
+        assert_eq!(verdicts.len(), 1);
+        assert_eq!(verdicts[0].stores, Stores::PlainSlots);
     }
 
     #[test]
