@@ -1085,10 +1085,54 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
     }
 }
 
+/// A context synchronised while one of its streams waits on a flag that only a later
+/// call would set: a hang on a GPU (cudarc's first stream of a context synchronises it,
+/// and `gpu_a_call_returns_before_its_stream_runs_it` hung so in CI, 2026-11-30); the
+/// simulated driver fails the call after `FERROCCL_SIM_SYNC_TIMEOUT_S` and names the
+/// hang. Run by [`gpu_other_simulated_machines`] with a timeout of 1 s (the default 60
+/// would idle the test run). Once the flag is set, the stream drains and the context
+/// synchronises.
+#[test]
+fn gpu_a_context_synchronised_behind_a_held_stream_is_called_a_hang() {
+    let Some((ctx, _, _one_at_a_time)) = gpu() else {
+        return;
+    };
+    if !simulated() || std::env::var_os("FERROCCL_SIM_SYNC_TIMEOUT_S").is_none() {
+        eprintln!(
+            "run by gpu_other_simulated_machines on the simulated driver with a short \
+             timeout (on a GPU this test would hang)"
+        );
+        return;
+    }
+    use cudarc::driver::sys::{CUresult, cuCtxSynchronize, cuStreamWaitValue32_v2};
+    ctx.bind_to_thread().unwrap();
+    let stream = rank_streams(&[&ctx]).remove(0);
+    let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
+    let release = Release(&flag);
+    // SAFETY: a mapped host word; the stream waits until it is 1.
+    let rc = unsafe { cuStreamWaitValue32_v2(stream.cu_stream(), flag.device(), 1, 0) };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+    let started = std::time::Instant::now();
+    // SAFETY: this thread's context is `ctx`'s.
+    let rc = unsafe { cuCtxSynchronize() };
+    assert_eq!(rc, CUresult::CUDA_ERROR_ILLEGAL_STATE);
+    let waited = started.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(900) && waited.as_secs() < 30,
+        "gave up after {waited:?}"
+    );
+    drop(release);
+    stream.synchronize().unwrap();
+    // SAFETY: as above.
+    let rc = unsafe { cuCtxSynchronize() };
+    assert_eq!(rc, CUresult::CUDA_SUCCESS);
+    println!("the context synchronised once the flag was set");
+}
+
 /// The tests above again on other simulated machines (a child process each, as the
 /// driver reads its configuration once): 2 GPUs, 1 GPU, 2 GPUs without P2P (FIFOs
-/// staged through host memory; then also with registering that memory failing), and
-/// GPUs that hold one block at a time.
+/// staged through host memory; then also with registering that memory failing), GPUs
+/// that hold one block at a time, and waits for queued work that give up after 1 s.
 #[test]
 fn gpu_other_simulated_machines() {
     let Some(_one_at_a_time) = gpu() else { return };
@@ -1101,7 +1145,7 @@ fn gpu_other_simulated_machines() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let runs: [Run; 7] = [
+    let runs: [Run; 8] = [
         (
             "gpu_every_pair_of_gpus_runs_the_collectives",
             &[("FERROCCL_SIM_GPUS", "2")],
@@ -1140,6 +1184,11 @@ fn gpu_other_simulated_machines() {
                 ("FERROCCL_SIM_FAIL", "cuMemHostRegister_v2"),
             ],
             "(registering them fails: true): no names left",
+        ),
+        (
+            "gpu_a_context_synchronised_behind_a_held_stream_is_called_a_hang",
+            &[("FERROCCL_SIM_SYNC_TIMEOUT_S", "1")],
+            "the context synchronised once the flag was set",
         ),
     ];
     for (test, envs, expect) in runs {
