@@ -269,8 +269,8 @@ impl Default for CostModel {
     /// Simple's 2.3, far). The reason, found 2026-11-30: the sender wrote lines the
     /// receiver's cache held; where every rank has a core the two LL FIFOs of a pair now
     /// exchange slots, and there LL leads Simple up to 16 KiB (2 ranks, 4 KiB: 0.95–1.05
-    /// µs against 1.15–1.37), which this one model, fitted for crowded hosts too, does
-    /// not know yet. Fitted, 7.5 GB/s puts the
+    /// µs against 1.15–1.37), which [`DEDICATED_LL_GAIN`] prices on such hosts; this
+    /// β stays the one for ranks that share CPUs. Fitted, 7.5 GB/s puts the
     /// 2-rank one-shot's crossover at 3 KB, where the measured one lies (2 KiB: LL 0.70
     /// µs, Simple 0.75; 4 KiB: 1.04 against 0.95; it was ~2 GB/s with a flag in every
     /// 8-byte line); single copy between processes hands off in 2.3 µs (a descriptor,
@@ -293,6 +293,18 @@ impl Default for CostModel {
         }
     }
 }
+
+/// How much faster LL moves bytes where every rank of the host has a CPU of its own
+/// than `CostModel::local_ll` says. There the two LL FIFOs of a pair exchange slots
+/// (`transport::exchanging_protocols`: a rank writes what it sends into lines it has
+/// just read), where ranks that take turns on a CPU do not. Measured 2026-12-01 (Intel
+/// Xeon, 2 ranks with a core each, one-shot forced, three rounds, µs): 4 KiB LL
+/// 0.85–0.87 against Simple 1.09–1.12, 8 KiB 1.44–1.45 against 1.49–1.55, 16 KiB
+/// 2.31–2.34 against 2.54–3.11, 32 KiB 3.96–4.00 against 3.47–3.77; the slopes from 8 to
+/// 32 KiB 9.7 and 12.6 GB/s. With `local_ll` alone (7.5 GB/s) the model handed over to
+/// Simple at 3 KB; 1.28 × 7.5 = 9.6 GB/s puts the 2-rank one-shot's crossover at 23 KB,
+/// between the measured 16 and 32 KiB.
+pub const DEDICATED_LL_GAIN: f64 = 1.28;
 
 impl CostModel {
     /// Defaults with `FERROCCL_TUNE_LOCAL`, `FERROCCL_TUNE_LOCAL_LL`,
@@ -364,10 +376,24 @@ impl CostModel {
         }
     }
 
+    /// The link inside a host with `protocol`, for ranks crowded as `crowding`: LL
+    /// where every rank has a CPU of its own moves [`DEDICATED_LL_GAIN`] times the
+    /// bytes per second of `local_ll`.
+    fn local_for(&self, protocol: Protocol, crowding: Crowding) -> LinkCost {
+        let link = self.local(protocol);
+        match protocol == Protocol::LL && !crowding.outnumbered() {
+            true => LinkCost {
+                beta: link.beta * DEDICATED_LL_GAIN,
+                ..link
+            },
+            false => link,
+        }
+    }
+
     /// What paces a pipeline through every rank: one host, its local link; several,
     /// the network's latency and the slower of the two bandwidths.
     fn pace(&self, shape: Shape, protocol: Protocol) -> LinkCost {
-        let local = self.local(protocol);
+        let local = self.local_for(protocol, shape.crowding);
         if shape.hosts <= 1 {
             local
         } else if shape.ranks_per_host > 1 {
@@ -959,7 +985,9 @@ mod tests {
             // Where the ring's 2(n-1) hand-offs, 2(n-1)/n S bytes and (2n-3) S/n bytes of
             // pipeline fill cost the same with either protocol:
             // S = 2(n-1) n (a_Simple - a_LL) / ((4n-5) (1/b_LL - 1/b_Simple)).
-            let (simple, ll) = (m.local, m.local_ll);
+            // Every rank with a CPU of its own (this shape): LL's faster bytes.
+            let (simple, ll) = (m.local, m.local_for(Protocol::LL, one_host.crowding));
+            assert_eq!(ll.beta, m.local_ll.beta * DEDICATED_LL_GAIN);
             let n = ranks as f64;
             let at = 2.0 * (n - 1.0) * n * (simple.alpha - ll.alpha)
                 / ((4.0 * n - 5.0) * (1.0 / ll.beta - 1.0 / simple.beta));
@@ -992,6 +1020,31 @@ mod tests {
             &[Protocol::LL],
         );
         assert_eq!(forced.protocol, Protocol::LL);
+    }
+
+    /// LL moves bytes faster where every rank has a CPU (its FIFOs exchange slots):
+    /// 2 ranks with a core each take it up to 16 KiB and Simple from 32 KiB, as
+    /// measured; ranks that share CPUs keep `local_ll` and hand over to Simple sooner.
+    #[test]
+    fn ll_reaches_further_where_every_rank_has_a_cpu() {
+        let m = CostModel::default();
+        let pick = |bytes, shape| m.choose(bytes, shape).protocol;
+        let two = on_cpus(2, 2);
+        assert_eq!(pick(16 << 10, two), Protocol::LL);
+        assert_eq!(pick(32 << 10, two), Protocol::Simple);
+        let is_ll = |c: Choice| c.protocol == Protocol::LL;
+        let one_shot = [Algorithm::OneShot];
+        let dedicated = m.crossover_among(two, &one_shot, is_ll).unwrap();
+        assert!((20_000..28_000).contains(&dedicated), "{dedicated}");
+        for crowded in [on_cpus(2, 1), on_cpus(4, 2)] {
+            assert_eq!(m.local_for(Protocol::LL, crowded.crowding), m.local_ll);
+            let x = m.crossover_among(crowded, &one_shot, is_ll).unwrap();
+            assert!(x < dedicated / 2, "{crowded:?}: {x} against {dedicated}");
+        }
+        // Simple's and single copy's links are the same either way.
+        for p in [Protocol::Simple, Protocol::SingleCopy] {
+            assert_eq!(m.local_for(p, two.crowding), m.local(p));
+        }
     }
 
     #[test]
