@@ -413,8 +413,13 @@ fn device_results(
 /// stream the peer holds until its call returns, while they wait for this rank: a hang on
 /// a GPU, and on the simulated driver (CI, 2026-11-30:
 /// `gpu_a_call_returns_before_its_stream_runs_it`).
-fn rank_streams(contexts: &[&Arc<CudaContext>]) -> Vec<Arc<CudaStream>> {
-    contexts.iter().map(|c| c.new_stream().unwrap()).collect()
+fn rank_streams<'a>(
+    contexts: impl IntoIterator<Item = &'a Arc<CudaContext>>,
+) -> Vec<Arc<CudaStream>> {
+    contexts
+        .into_iter()
+        .map(|c| c.new_stream().unwrap())
+        .collect()
 }
 
 /// Sets a flag the stream waits on when dropped, so that a rank whose thread fails
@@ -437,7 +442,7 @@ fn device_results_of(
 ) -> Vec<Vec<i32>> {
     let n = contexts.len();
     let comms = Communicator::init_all_with(n, config_of(shape)).unwrap();
-    let streams = rank_streams(&contexts.iter().collect::<Vec<_>>());
+    let streams = rank_streams(contexts);
     // No rank frees its memory until every rank's call has finished: a free waits for
     // the whole device, and blocks this process's other launches meanwhile (with NCCL
     // too), so a rank freeing while a peer has yet to launch hangs on a GPU. The ranks
@@ -758,7 +763,7 @@ fn all_reduce_on_a_stream_of_its_own(
 /// so that their FIFOs are connected; checked.
 fn warm_up(ctx: &Arc<CudaContext>, comms: &[Communicator]) {
     let n = comms.len();
-    let streams = rank_streams(&vec![ctx; n]);
+    let streams = rank_streams(vec![ctx; n]);
     std::thread::scope(|s| {
         for (c, stream) in comms.iter().zip(streams) {
             s.spawn(move || {
@@ -939,7 +944,7 @@ fn gpu_back_to_back_calls_of_different_sizes_and_streams_joined_by_events() {
     let sum_of = |len: usize, times: i32| -> Vec<i32> {
         int_sum(n, len).iter().map(|x| x * times).collect()
     };
-    let streams = rank_streams(&vec![&ctx; 2 * n]);
+    let streams = rank_streams(vec![&ctx; 2 * n]);
     std::thread::scope(|s| {
         for (c, pair) in comms.iter().zip(streams.chunks(2)) {
             let ctx = &ctx;
@@ -1009,7 +1014,7 @@ fn gpu_staged_fifos_leave_no_names_in_dev_shm() {
     let failing = std::env::var("FERROCCL_SIM_FAIL").as_deref() == Ok("cuMemHostRegister_v2");
     let contexts: Vec<_> = (0..2).map(|d| CudaContext::new(d).unwrap()).collect();
     let comms = Communicator::init_all_with(2, config_of(Shape::of(Protocol::Simple))).unwrap();
-    let streams = rank_streams(&contexts.iter().collect::<Vec<_>>());
+    let streams = rank_streams(&contexts);
     let outcomes: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
@@ -1064,7 +1069,7 @@ fn gpu_kernels_that_cannot_be_resident_together_fail_within_the_timeout() {
         })
     };
     let comms = Communicator::init_all_with(2, config).unwrap();
-    let streams = rank_streams(&[&ctx, &ctx]);
+    let streams = rank_streams([&ctx, &ctx]);
     let started = std::time::Instant::now();
     let outcomes: Vec<ferroccl::Result<()>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -1106,7 +1111,7 @@ fn gpu_a_context_synchronised_behind_a_held_stream_is_called_a_hang() {
     }
     use cudarc::driver::sys::{CUresult, cuCtxSynchronize, cuStreamWaitValue32_v2};
     ctx.bind_to_thread().unwrap();
-    let stream = rank_streams(&[&ctx]).remove(0);
+    let stream = rank_streams([&ctx]).remove(0);
     let flag = cuda::MappedHostBuffer::zeroed(4).unwrap();
     let release = Release(&flag);
     // SAFETY: a mapped host word; the stream waits until it is 1.

@@ -61,7 +61,7 @@ const MAX_STREAMED: usize = 2;
 pub unsafe fn stream_copy(dst: *mut u8, src: *const u8, bytes: usize) {
     // SAFETY: the caller's contract.
     unsafe {
-        stream_unfenced(dst, std::ptr::null_mut(), src, bytes);
+        stream_unfenced(dst, None, src, bytes);
         fence();
     }
 }
@@ -75,20 +75,20 @@ pub unsafe fn stream_copy(dst: *mut u8, src: *const u8, bytes: usize) {
 /// # Safety
 /// `src` readable and `dst`, `cached` writable for `bytes` bytes, no two overlapping.
 pub unsafe fn stream_copy_keeping(dst: *mut u8, cached: *mut u8, src: *const u8, bytes: usize) {
-    // SAFETY: the caller's contract, with `cached` not null.
+    // SAFETY: the caller's contract.
     unsafe {
-        stream_unfenced(dst, cached, src, bytes);
+        stream_unfenced(dst, Some(cached), src, bytes);
         fence();
     }
 }
 
 /// [`stream_copy`] without the fence: the caller fences before it publishes the bytes.
-/// Unless `cached` is null the bytes go there too, with plain stores.
+/// When `cached` is given the bytes go there too, with plain stores.
 ///
 /// # Safety
-/// As [`stream_copy`]; `cached` null, or writable for `bytes` bytes and apart from both.
+/// As [`stream_copy`]; `cached`, if given, writable for `bytes` bytes and apart from both.
 #[inline]
-unsafe fn stream_unfenced(dst: *mut u8, cached: *mut u8, src: *const u8, bytes: usize) {
+unsafe fn stream_unfenced(dst: *mut u8, cached: Option<*mut u8>, src: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         // Plain stores up to the first line boundary of `dst` and after the last.
@@ -99,14 +99,10 @@ unsafe fn stream_unfenced(dst: *mut u8, cached: *mut u8, src: *const u8, bytes: 
         // a line of `dst` and is whole lines long.
         unsafe {
             std::ptr::copy_nonoverlapping(src, dst, head);
-            let kept = if cached.is_null() {
-                cached
-            } else {
-                cached.add(head)
-            };
+            let kept = cached.map(|c| c.add(head));
             x86::stream_lines(dst.add(head), kept, src.add(head), lines);
             std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), bytes - done);
-            if !cached.is_null() {
+            if let Some(cached) = cached {
                 std::ptr::copy_nonoverlapping(src, cached, head);
                 std::ptr::copy_nonoverlapping(src.add(done), cached.add(done), bytes - done);
             }
@@ -116,7 +112,7 @@ unsafe fn stream_unfenced(dst: *mut u8, cached: *mut u8, src: *const u8, bytes: 
     // SAFETY: the caller's contract.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, bytes);
-        if !cached.is_null() {
+        if let Some(cached) = cached {
             std::ptr::copy_nonoverlapping(src, cached, bytes);
         }
     };
@@ -198,12 +194,7 @@ impl Kernel {
                         false => (dst.add(end) as usize & !(LINE - 1)) - dst as usize,
                     };
                     let from = t.sub(at - written[k]);
-                    stream_unfenced(
-                        dst.add(written[k]),
-                        std::ptr::null_mut(),
-                        from,
-                        upto - written[k],
-                    );
+                    stream_unfenced(dst.add(written[k]), None, from, upto - written[k]);
                     written[k] = upto;
                 }
                 if let Some(dst) = cached {
@@ -276,7 +267,7 @@ impl Kernel {
             };
             plain(0, head);
             let at = head * elem;
-            let kept = cached.map_or(std::ptr::null_mut(), |c| c.add(at));
+            let kept = cached.map(|c| c.add(at));
             crate::with_element_type!(self.dtype(), T => x86::reduce_lines::<T>(
                 self,
                 x86::Lines {
@@ -307,25 +298,32 @@ mod x86 {
 
     /// Streams `bytes` (whole lines) from `src` to `dst` (line-aligned), each line with
     /// the widest stores the kernels may use: a line written in one store, or in
-    /// back-to-back ones, fills its write-combining buffer at once. Unless `cached` is
-    /// null, each vector also goes there with a plain store, in the same pass.
+    /// back-to-back ones, fills its write-combining buffer at once. When `cached` is
+    /// given, each vector also goes there with a plain store, in the same pass.
     ///
     /// # Safety
     /// `src` readable and `dst` writable for `bytes` bytes, not overlapping; `dst`
-    /// aligned to a line; `bytes` a multiple of a line; `cached` null, or writable for
+    /// aligned to a line; `bytes` a multiple of a line; `cached`, if given, writable for
     /// `bytes` bytes and apart from both.
     #[inline]
-    pub(super) unsafe fn stream_lines(dst: *mut u8, cached: *mut u8, src: *const u8, bytes: usize) {
+    pub(super) unsafe fn stream_lines(
+        dst: *mut u8,
+        cached: Option<*mut u8>,
+        src: *const u8,
+        bytes: usize,
+    ) {
+        let none = std::ptr::null_mut();
         // SAFETY (block): the CPU has the instruction set (checked by `vector_isa`);
-        // the rest is the caller's contract.
+        // the rest is the caller's contract (the loops without `KEEP` never touch their
+        // `cached`).
         unsafe {
-            match (vector_isa(), cached.is_null()) {
-                (VectorIsa::Avx512, true) => lines_avx512::<false>(dst, cached, src, bytes),
-                (VectorIsa::Avx2, true) => lines_avx2::<false>(dst, cached, src, bytes),
-                (VectorIsa::Portable, true) => lines_sse2::<false>(dst, cached, src, bytes),
-                (VectorIsa::Avx512, false) => lines_avx512::<true>(dst, cached, src, bytes),
-                (VectorIsa::Avx2, false) => lines_avx2::<true>(dst, cached, src, bytes),
-                (VectorIsa::Portable, false) => lines_sse2::<true>(dst, cached, src, bytes),
+            match (vector_isa(), cached) {
+                (VectorIsa::Avx512, None) => lines_avx512::<false>(dst, none, src, bytes),
+                (VectorIsa::Avx2, None) => lines_avx2::<false>(dst, none, src, bytes),
+                (VectorIsa::Portable, None) => lines_sse2::<false>(dst, none, src, bytes),
+                (VectorIsa::Avx512, Some(c)) => lines_avx512::<true>(dst, c, src, bytes),
+                (VectorIsa::Avx2, Some(c)) => lines_avx2::<true>(dst, c, src, bytes),
+                (VectorIsa::Portable, Some(c)) => lines_sse2::<true>(dst, c, src, bytes),
             }
         }
     }
@@ -400,11 +398,11 @@ mod x86 {
 
     /// Whole lines to reduce and stream ([`reduce_lines`]): `dst = a ⊕ b` over `lines`
     /// lines of `dst` (line-aligned), then divided by `divisor` unless it is 0 (avg's
-    /// post-operation), and stored at `cached` too unless it is null.
+    /// post-operation), and stored at `cached` too when it is given.
     #[derive(Clone, Copy)]
     pub(super) struct Lines<T> {
         pub(super) dst: *mut u8,
-        pub(super) cached: *mut u8,
+        pub(super) cached: Option<*mut u8>,
         pub(super) a: *const T,
         pub(super) b: *const T,
         pub(super) lines: usize,
@@ -417,8 +415,8 @@ mod x86 {
     ///
     /// # Safety
     /// `a`, `b` readable and `dst` writable for `lines` lines, `dst` aligned to a line and
-    /// equal to `a`, to `b` or apart from both; `cached` null or writable for as many
-    /// bytes, apart from all three; `T` the kernel's element type.
+    /// equal to `a`, to `b` or apart from both; `cached`, if given, writable for as many
+    /// bytes and apart from all three; `T` the kernel's element type.
     pub(super) unsafe fn reduce_lines<T: Arith>(kernel: &Kernel, job: Lines<T>) {
         // SAFETY (block): the CPU has the instruction set (checked by `vector_isa`);
         // the rest is the caller's contract.
@@ -474,8 +472,8 @@ mod x86 {
                             for part in 0..PER_LINE {
                                 let v = $load(t.cast::<$vector>().add(part));
                                 $stream(d.add(part), v);
-                                if !cached.is_null() {
-                                    $store(cached.add(i * LINE).cast::<$vector>().add(part), v);
+                                if let Some(c) = cached {
+                                    $store(c.add(i * LINE).cast::<$vector>().add(part), v);
                                 }
                             }
                         }
