@@ -15,9 +15,9 @@
 //! is never read back). Otherwise (two streamed destinations at different offsets in a
 //! line, elements across lines) it streams through a small tile: it reduces a tile's
 //! worth into a buffer that stays in the L1 cache, then streams the tile out, whole
-//! cache lines with the widest stores the CPU has. Streaming stores are weakly ordered: every function here ends with one store
-//! fence, so a flag published afterwards (a FIFO's `head`, a descriptor's release) is
-//! seen after the data.
+//! cache lines with the widest stores the CPU has. Streaming stores are weakly ordered:
+//! every function here ends with one store fence, so a flag published afterwards (a
+//! FIFO's `head`, a descriptor's release) is seen after the data.
 //!
 //! How the lines are written decides the speed. Measured (2026-11-29, the project's VM,
 //! AMD EPYC Zen 4; two pinned threads running the 2-rank ring of 32 MiB through 16
@@ -312,89 +312,16 @@ mod x86 {
         src: *const u8,
         bytes: usize,
     ) {
-        let none = std::ptr::null_mut();
         // SAFETY (block): the CPU has the instruction set (checked by `vector_isa`);
-        // the rest is the caller's contract (the loops without `KEEP` never touch their
-        // `cached`).
+        // the rest is the caller's contract.
         unsafe {
-            match (vector_isa(), cached) {
-                (VectorIsa::Avx512, None) => lines_avx512::<false>(dst, none, src, bytes),
-                (VectorIsa::Avx2, None) => lines_avx2::<false>(dst, none, src, bytes),
-                (VectorIsa::Portable, None) => lines_sse2::<false>(dst, none, src, bytes),
-                (VectorIsa::Avx512, Some(c)) => lines_avx512::<true>(dst, c, src, bytes),
-                (VectorIsa::Avx2, Some(c)) => lines_avx2::<true>(dst, c, src, bytes),
-                (VectorIsa::Portable, Some(c)) => lines_sse2::<true>(dst, c, src, bytes),
+            match vector_isa() {
+                VectorIsa::Avx512 => avx512::copy(dst, cached, src, bytes),
+                VectorIsa::Avx2 => avx2::copy(dst, cached, src, bytes),
+                VectorIsa::Portable => sse2::copy(dst, cached, src, bytes),
             }
         }
     }
-
-    /// A loop that streams whole lines as `$vector`s (loaded with `$load`, unaligned;
-    /// stored with `$stream`), compiled with `$features` enabled; with `KEEP`, each
-    /// vector also goes to `cached` with `$store` (unaligned) in the same pass.
-    macro_rules! line_stream {
-        ($name:ident, $features:literal, $vector:ty, $load:ident, $stream:ident, $store:ident) => {
-            #[doc = concat!("[`stream_lines`] with ", $features, " stores.")]
-            ///
-            /// # Safety
-            #[doc = concat!("The CPU supports ", $features, "; otherwise as [`stream_lines`].")]
-            #[target_feature(enable = $features)]
-            unsafe fn $name<const KEEP: bool>(
-                dst: *mut u8,
-                cached: *mut u8,
-                src: *const u8,
-                bytes: usize,
-            ) {
-                const PER_LINE: usize = super::LINE / size_of::<$vector>();
-                let mut i = 0;
-                while i < bytes {
-                    // SAFETY: `i + LINE <= bytes` (whole lines), inside every region;
-                    // `dst + i` is line-aligned, so aligned for the vector; with `KEEP`,
-                    // `cached + i` holds a line too (an unaligned store).
-                    unsafe {
-                        let s = src.add(i).cast::<$vector>();
-                        let d = dst.add(i).cast::<$vector>();
-                        for part in 0..PER_LINE {
-                            let v = $load(s.add(part));
-                            $stream(d.add(part), v);
-                            if KEEP {
-                                $store(cached.add(i).cast::<$vector>().add(part), v);
-                            }
-                        }
-                    }
-                    i += super::LINE;
-                }
-            }
-        };
-    }
-
-    line_stream!(
-        lines_avx512,
-        "avx512f",
-        __m512i,
-        _mm512_loadu_si512,
-        _mm512_stream_si512,
-        _mm512_storeu_si512
-    );
-    line_stream!(
-        lines_avx2,
-        "avx2",
-        __m256i,
-        _mm256_loadu_si256,
-        _mm256_stream_si256,
-        _mm256_storeu_si256
-    );
-    line_stream!(
-        lines_sse2,
-        "sse2",
-        __m128i,
-        _mm_loadu_si128,
-        _mm_stream_si128,
-        _mm_storeu_si128
-    );
-
-    /// A cache line's worth of elements, reduced in registers on its way out.
-    #[repr(C, align(64))]
-    struct Line(std::mem::MaybeUninit<[u8; LINE]>);
 
     /// Whole lines to reduce and stream ([`reduce_lines`]): `dst = a ⊕ b` over `lines`
     /// lines of `dst` (line-aligned), then divided by `divisor` unless it is 0 (avg's
@@ -422,95 +349,141 @@ mod x86 {
         // the rest is the caller's contract.
         unsafe {
             match vector_isa() {
-                VectorIsa::Avx512 => reduce_lines_avx512(kernel, job),
-                VectorIsa::Avx2 => reduce_lines_avx2(kernel, job),
-                VectorIsa::Portable => reduce_lines_sse2(kernel, job),
+                VectorIsa::Avx512 => avx512::reduce(kernel, job),
+                VectorIsa::Avx2 => avx2::reduce(kernel, job),
+                VectorIsa::Portable => sse2::reduce(kernel, job),
             }
         }
     }
 
-    /// [`reduce_lines`] for one instruction set: the op chosen once, then a loop that
-    /// computes each line with the generic element loop (which LLVM vectorises to a
-    /// register or two at this width) and streams those registers out.
-    macro_rules! line_reduce {
-        ($name:ident, $features:literal, $vector:ty, $load:ident, $stream:ident, $store:ident) => {
-            #[doc = concat!("[`reduce_lines`] with ", $features, ".")]
-            ///
-            /// # Safety
-            #[doc = concat!("The CPU supports ", $features, "; otherwise as [`reduce_lines`].")]
-            #[target_feature(enable = $features)]
-            unsafe fn $name<T: Arith>(kernel: &Kernel, job: Lines<T>) {
-                /// The loop over lines for one per-element function.
+    /// A cache line's worth of elements, reduced in registers on its way out.
+    #[repr(C, align(64))]
+    struct Line(std::mem::MaybeUninit<[u8; LINE]>);
+
+    /// The line loops of one instruction set, compiled with `$features` enabled:
+    /// `copy` ([`stream_lines`]) and `reduce` ([`reduce_lines`]; the op chosen once, each
+    /// line computed with the generic element loop, which LLVM vectorises to a register
+    /// or two at this width), both storing a line with `put_line`: `$vector`s loaded with
+    /// `$load` (unaligned), streamed with `$stream`, and stored at the cached copy with
+    /// `$store` (unaligned).
+    macro_rules! isa_lines {
+        ($isa:ident, $features:literal, $vector:ty, $load:ident, $stream:ident, $store:ident) => {
+            #[doc = concat!("The line loops with ", $features, ".")]
+            mod $isa {
+                use super::*;
+
+                /// Streams the line at `src` to `dst` and, when given, stores it at
+                /// `cached` too.
                 ///
                 /// # Safety
-                /// As the function around it.
+                /// The CPU supports the instruction set; a line readable at `src` and
+                /// writable at `dst` (line-aligned) and `cached`, none overlapping.
                 #[target_feature(enable = $features)]
-                unsafe fn each<T: Arith>(f: impl Binary<T>, job: Lines<T>) {
+                #[inline]
+                unsafe fn put_line(dst: *mut u8, cached: Option<*mut u8>, src: *const u8) {
                     const PER_LINE: usize = LINE / size_of::<$vector>();
-                    let Lines {
-                        dst,
-                        cached,
-                        a,
-                        b,
-                        lines,
-                        divisor,
-                    } = job;
-                    let per = LINE / size_of::<T>();
-                    let mut line = Line(std::mem::MaybeUninit::uninit());
-                    let t = line.0.as_mut_ptr().cast::<T>();
-                    for i in 0..lines {
-                        // SAFETY: line `i` lies inside every region (the caller's
-                        // contract); the line buffer holds `per` elements and is
-                        // aligned for the vector; every byte of it is written by the
-                        // reduction before it is loaded.
+                    let (s, d) = (src.cast::<$vector>(), dst.cast::<$vector>());
+                    for part in 0..PER_LINE {
+                        // SAFETY: a line at each (the caller's contract); `dst` is
+                        // line-aligned, so aligned for the vector.
                         unsafe {
-                            zip3(t, a.add(i * per), b.add(i * per), per, f);
-                            if divisor > 0 {
-                                T::div_all(t, per, divisor);
-                            }
-                            let d = dst.add(i * LINE).cast::<$vector>();
-                            for part in 0..PER_LINE {
-                                let v = $load(t.cast::<$vector>().add(part));
-                                $stream(d.add(part), v);
-                                if let Some(c) = cached {
-                                    $store(c.add(i * LINE).cast::<$vector>().add(part), v);
-                                }
+                            let v = $load(s.add(part));
+                            $stream(d.add(part), v);
+                            if let Some(c) = cached {
+                                $store(c.cast::<$vector>().add(part), v);
                             }
                         }
                     }
                 }
-                // SAFETY: forwarded from the caller.
-                unsafe {
-                    match kernel.op {
-                        Op::Sum | Op::Avg => each(num::Add, job),
-                        Op::Prod => each(num::Mul, job),
-                        Op::Max => each(num::Max, job),
-                        Op::Min => each(num::Min, job),
-                        Op::PreMulSum => each(num::PreMulSum(T::from_raw(kernel.scalar)), job),
+
+                #[doc = concat!("[`stream_lines`] with ", $features, ".")]
+                ///
+                /// # Safety
+                #[doc = concat!("The CPU supports ", $features, "; otherwise as [`stream_lines`].")]
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn copy(
+                    dst: *mut u8,
+                    cached: Option<*mut u8>,
+                    src: *const u8,
+                    bytes: usize,
+                ) {
+                    for i in (0..bytes).step_by(LINE) {
+                        // SAFETY: `i + LINE <= bytes` (whole lines), inside every region.
+                        unsafe { put_line(dst.add(i), cached.map(|c| c.add(i)), src.add(i)) };
+                    }
+                }
+
+                #[doc = concat!("[`reduce_lines`] with ", $features, ".")]
+                ///
+                /// # Safety
+                #[doc = concat!("The CPU supports ", $features, "; otherwise as [`reduce_lines`].")]
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn reduce<T: Arith>(kernel: &Kernel, job: Lines<T>) {
+                    /// The loop over lines for one per-element function.
+                    ///
+                    /// # Safety
+                    /// As the function around it.
+                    #[target_feature(enable = $features)]
+                    unsafe fn each<T: Arith>(f: impl Binary<T>, job: Lines<T>) {
+                        let Lines {
+                            dst,
+                            cached,
+                            a,
+                            b,
+                            lines,
+                            divisor,
+                        } = job;
+                        let per = LINE / size_of::<T>();
+                        let mut line = Line(std::mem::MaybeUninit::uninit());
+                        let t = line.0.as_mut_ptr().cast::<T>();
+                        for i in 0..lines {
+                            // SAFETY: line `i` lies inside every region (the caller's
+                            // contract); the line buffer holds `per` elements and is
+                            // aligned for the vector; every byte of it is written by
+                            // the reduction before it is loaded.
+                            unsafe {
+                                zip3(t, a.add(i * per), b.add(i * per), per, f);
+                                if divisor > 0 {
+                                    T::div_all(t, per, divisor);
+                                }
+                                let at = i * LINE;
+                                put_line(dst.add(at), cached.map(|c| c.add(at)), t.cast());
+                            }
+                        }
+                    }
+                    // SAFETY: forwarded from the caller.
+                    unsafe {
+                        match kernel.op {
+                            Op::Sum | Op::Avg => each(num::Add, job),
+                            Op::Prod => each(num::Mul, job),
+                            Op::Max => each(num::Max, job),
+                            Op::Min => each(num::Min, job),
+                            Op::PreMulSum => each(num::PreMulSum(T::from_raw(kernel.scalar)), job),
+                        }
                     }
                 }
             }
         };
     }
 
-    line_reduce!(
-        reduce_lines_avx512,
+    isa_lines!(
+        avx512,
         "avx512f,avx512bw,avx512vl",
         __m512i,
         _mm512_loadu_si512,
         _mm512_stream_si512,
         _mm512_storeu_si512
     );
-    line_reduce!(
-        reduce_lines_avx2,
+    isa_lines!(
+        avx2,
         "avx2",
         __m256i,
         _mm256_loadu_si256,
         _mm256_stream_si256,
         _mm256_storeu_si256
     );
-    line_reduce!(
-        reduce_lines_sse2,
+    isa_lines!(
+        sse2,
         "sse2",
         __m128i,
         _mm_loadu_si128,
