@@ -48,8 +48,10 @@ const TILE_BYTES: usize = 1024;
 #[repr(C, align(64))]
 struct Tile([u8; LINE + TILE_BYTES]);
 
-/// Most destinations a reduction streams to (an output and a slot).
-const MAX_STREAMED: usize = 2;
+/// Most destinations a reduction streams to: an output and a slot, or an output and
+/// the outputs of up to seven peers (the two-shot all-reduce writing its piece back,
+/// [`crate::transport::single_copy`]).
+pub const MAX_STREAMED: usize = 8;
 
 /// Copies `bytes` bytes from `src` to `dst` with streaming stores, whole cache lines
 /// only (the partial lines at either end with plain ones: a write-combining buffer
@@ -153,11 +155,9 @@ impl Kernel {
             "at most {MAX_STREAMED} streamed destinations"
         );
         #[cfg(target_arch = "x86_64")]
-        if let &[dst] = dsts
-            && self.streams_from_registers(dst)
-        {
+        if self.streams_from_registers(dsts) {
             // SAFETY: the caller's contract.
-            unsafe { self.reduce_streaming_lines(dst, cached, a, b, count, post) };
+            unsafe { self.reduce_streaming_lines(dsts, cached, a, b, count, post) };
             fence();
             return;
         }
@@ -212,31 +212,39 @@ impl Kernel {
 
 #[cfg(target_arch = "x86_64")]
 impl Kernel {
-    /// Whether a reduction streamed to `dst` alone can stream each result line straight
-    /// from the registers it was computed in ([`reduce_streaming_lines`]): when element
-    /// boundaries fall on `dst`'s lines, and not for `f16` where the CPU converts it in
-    /// hardware (its own kernel, [`super::x86::reduce_f16`]).
+    /// Whether a reduction streamed to `dsts` can stream each result line straight
+    /// from the registers it was computed in ([`reduce_streaming_lines`]): when all of
+    /// them start at one offset in their lines, element boundaries fall on their lines,
+    /// and not for `f16` where the CPU converts it in hardware (its own kernel,
+    /// [`super::x86::reduce_f16`]).
     ///
     /// [`reduce_streaming_lines`]: Kernel::reduce_streaming_lines
-    fn streams_from_registers(&self, dst: *mut u8) -> bool {
+    fn streams_from_registers(&self, dsts: &[*mut u8]) -> bool {
         let f16c = self.dtype() == crate::DataType::Float16 && super::x86::has_f16c();
-        (dst as usize % LINE).is_multiple_of(self.dtype().size()) && !f16c
+        let Some(&first) = dsts.first() else {
+            return false;
+        };
+        let phase = first as usize % LINE;
+        phase.is_multiple_of(self.dtype().size())
+            && !f16c
+            && dsts.iter().all(|&d| d as usize % LINE == phase)
     }
 
-    /// [`reduce_streaming`](Kernel::reduce_streaming) to one destination whose lines
-    /// start on elements: the elements before its first line and after its last whole
-    /// one reduced with plain stores, each whole line in between reduced into registers
-    /// and streamed from them (and stored at `cached` too), with no tile between. Not
+    /// [`reduce_streaming`](Kernel::reduce_streaming) to destinations at one offset in
+    /// their lines, where lines start on elements: the elements before their first line
+    /// and after their last whole one reduced with plain stores (at the first, copied to
+    /// the others), each whole line in between reduced into registers and streamed from
+    /// them to every destination (and stored at `cached` too), with no tile between. Not
     /// fenced. Measured in a C model of the 4-rank ring on 2 cores (2026-11-30, Intel
     /// Xeon, 128 MiB): reducing the step that streams its result into a 1 KiB tile first
     /// cost 3–6 % of the call, a 4 KiB one 6–7 %.
     ///
     /// # Safety
-    /// As [`reduce_streaming`](Kernel::reduce_streaming) with `dst` alone; `dst`'s
-    /// offset in a line a multiple of the element size.
+    /// As [`reduce_streaming`](Kernel::reduce_streaming); `dsts` not empty, all at one
+    /// offset in a line, a multiple of the element size.
     unsafe fn reduce_streaming_lines(
         &self,
-        dst: *mut u8,
+        dsts: &[*mut u8],
         cached: Option<*mut u8>,
         a: *const u8,
         b: *const u8,
@@ -244,6 +252,8 @@ impl Kernel {
         post: bool,
     ) {
         let elem = self.dtype().size();
+        let (dst, also) = dsts.split_first().expect("a destination");
+        let dst = *dst;
         let head = (dst.align_offset(LINE) / elem).min(count);
         let lines = (count - head) * elem / LINE;
         let rest = head + lines * LINE / elem;
@@ -261,17 +271,22 @@ impl Kernel {
                 if post {
                     self.post(dst.add(at), n);
                 }
-                if let Some(kept) = cached {
+                for kept in also.iter().copied().chain(cached) {
                     std::ptr::copy_nonoverlapping(dst.add(at), kept.add(at), n * elem);
                 }
             };
             plain(0, head);
             let at = head * elem;
             let kept = cached.map(|c| c.add(at));
+            let mut others = [std::ptr::null_mut(); MAX_STREAMED - 1];
+            for (o, &d) in others.iter_mut().zip(also) {
+                *o = d.add(at);
+            }
             crate::with_element_type!(self.dtype(), T => x86::reduce_lines::<T>(
                 self,
                 x86::Lines {
                     dst: dst.add(at),
+                    also: &others[..also.len()],
                     cached: kept,
                     a: a.add(at).cast(),
                     b: b.add(at).cast(),
@@ -325,10 +340,12 @@ mod x86 {
 
     /// Whole lines to reduce and stream ([`reduce_lines`]): `dst = a ⊕ b` over `lines`
     /// lines of `dst` (line-aligned), then divided by `divisor` unless it is 0 (avg's
-    /// post-operation), and stored at `cached` too when it is given.
+    /// post-operation), streamed to each of `also` too (line-aligned), and stored at
+    /// `cached` when it is given.
     #[derive(Clone, Copy)]
-    pub(super) struct Lines<T> {
+    pub(super) struct Lines<'a, T> {
         pub(super) dst: *mut u8,
+        pub(super) also: &'a [*mut u8],
         pub(super) cached: Option<*mut u8>,
         pub(super) a: *const T,
         pub(super) b: *const T,
@@ -341,10 +358,11 @@ mod x86 {
     /// stored at `cached` with plain ones). Not fenced.
     ///
     /// # Safety
-    /// `a`, `b` readable and `dst` writable for `lines` lines, `dst` aligned to a line and
-    /// equal to `a`, to `b` or apart from both; `cached`, if given, writable for as many
-    /// bytes and apart from all three; `T` the kernel's element type.
-    pub(super) unsafe fn reduce_lines<T: Arith>(kernel: &Kernel, job: Lines<T>) {
+    /// `a`, `b` readable and `dst` and each of `also` writable for `lines` lines, each
+    /// aligned to a line and equal to `a`, to `b` or apart from both and from each other;
+    /// `cached`, if given, writable for as many bytes and apart from all of them; `T` the
+    /// kernel's element type.
+    pub(super) unsafe fn reduce_lines<T: Arith>(kernel: &Kernel, job: Lines<'_, T>) {
         // SAFETY (block): the CPU has the instruction set (checked by `vector_isa`);
         // the rest is the caller's contract.
         unsafe {
@@ -418,15 +436,16 @@ mod x86 {
                 /// # Safety
                 #[doc = concat!("The CPU supports ", $features, "; otherwise as [`reduce_lines`].")]
                 #[target_feature(enable = $features)]
-                pub(super) unsafe fn reduce<T: Arith>(kernel: &Kernel, job: Lines<T>) {
+                pub(super) unsafe fn reduce<T: Arith>(kernel: &Kernel, job: Lines<'_, T>) {
                     /// The loop over lines for one per-element function.
                     ///
                     /// # Safety
                     /// As the function around it.
                     #[target_feature(enable = $features)]
-                    unsafe fn each<T: Arith>(f: impl Binary<T>, job: Lines<T>) {
+                    unsafe fn each<T: Arith>(f: impl Binary<T>, job: Lines<'_, T>) {
                         let Lines {
                             dst,
+                            also,
                             cached,
                             a,
                             b,
@@ -448,6 +467,9 @@ mod x86 {
                                 }
                                 let at = i * LINE;
                                 put_line(dst.add(at), cached.map(|c| c.add(at)), t.cast());
+                                for &other in also {
+                                    put_line(other.add(at), None, t.cast());
+                                }
                             }
                         }
                     }
@@ -664,10 +686,11 @@ mod tests {
         });
     }
 
-    /// Avg of `f32` over 3 ranks (so the post-operation runs), to two streamed
-    /// destinations and a cached one, each starting anywhere in a line and elsewhere
-    /// than the others (also where no element meets a line), counts around a tile: every destination gets `reduce` then
-    /// `post`'s values exactly, and nothing around it changes; in place too.
+    /// Avg of `f32` over 3 ranks (so the post-operation runs), to one, two and the most
+    /// streamed destinations and a cached one, each starting anywhere in a line and
+    /// elsewhere than the others (also where no element meets a line), or all at one
+    /// offset in their lines; counts around a tile: every destination gets `reduce`
+    /// then `post`'s values exactly, and nothing around it changes; in place too.
     #[test]
     fn streamed_reductions_equal_plain_ones_at_every_alignment() {
         let k = Kernel::new(DataType::Float32, ReduceOp::Avg, 3).unwrap();
@@ -676,44 +699,11 @@ mod tests {
         let b: Vec<f32> = (0..elems).map(|i| 2.0 * i as f32).collect();
         let want = |i: usize| (3 * i) as f32 / 3.0;
         on_every_path(|| {
-            for offset in [0usize, 1, 4, 60] {
-                for count in [0usize, 1, 15, 16, 17, 255, 256, 257, 5000 - 16] {
-                    let bytes = count * 4;
-                    // Three destinations in one buffer, apart, each its own bytes past a
-                    // line (the first `offset`).
-                    let stride = bytes.next_multiple_of(64) + 128;
-                    let mut mem = vec![0u8; 3 * stride + 64];
-                    let base = mem.as_mut_ptr().wrapping_add(mem.as_ptr().align_offset(64));
-                    let past = |d: usize| (offset + 20 * d) % 64;
-                    let at = |d: usize| base.wrapping_add(d * stride + past(d));
-                    // SAFETY: each destination holds `count` f32 inside `mem`, apart.
-                    unsafe {
-                        k.reduce_streaming(
-                            &[at(0), at(1)],
-                            Some(at(2)),
-                            a.as_ptr().cast(),
-                            b.as_ptr().cast(),
-                            count,
-                            true,
-                        )
-                    };
-                    let lead = base as usize - mem.as_ptr() as usize;
-                    for d in 0..3 {
-                        let start = lead + d * stride + past(d);
-                        let got = &mem[start..start + bytes];
-                        let ok = got
-                            .chunks_exact(4)
-                            .enumerate()
-                            .all(|(i, v)| f32::from_ne_bytes(v.try_into().unwrap()) == want(i));
-                        assert!(ok, "destination {d}, offset {offset}, count {count}");
-                        let next = lead + (d + 1) * stride + past(d + 1);
-                        let after = &mem[start + bytes..next.min(mem.len())];
-                        assert!(after.iter().all(|&x| x == 0), "past {d}, {offset}, {count}");
+            for (streamed, spread) in [(1, 20), (2, 20), (MAX_STREAMED, 20), (MAX_STREAMED, 0)] {
+                for offset in [0usize, 1, 4, 60] {
+                    for count in [0usize, 1, 15, 16, 17, 255, 256, 257, 5000 - 16] {
+                        check_destinations(&k, (&a, &b), want, streamed, spread, offset, count);
                     }
-                    assert!(
-                        mem[..lead + offset].iter().all(|&x| x == 0),
-                        "before the first"
-                    );
                 }
             }
             let mut inplace = a.clone();
@@ -727,5 +717,56 @@ mod tests {
                     .all(|(i, &x)| x == (3 * i) as f32)
             );
         });
+    }
+
+    /// Streams `a ⊕ b` (with post) to `streamed` destinations and one cached one, in one
+    /// buffer, apart, destination `d` starting `offset + spread·d` bytes past a line,
+    /// and checks each against `want` and the bytes around them.
+    fn check_destinations(
+        k: &Kernel,
+        (a, b): (&[f32], &[f32]),
+        want: impl Fn(usize) -> f32,
+        streamed: usize,
+        spread: usize,
+        offset: usize,
+        count: usize,
+    ) {
+        let bytes = count * 4;
+        let dests = streamed + 1;
+        let stride = bytes.next_multiple_of(64) + 128;
+        let mut mem = vec![0u8; dests * stride + 64];
+        let base = mem.as_mut_ptr().wrapping_add(mem.as_ptr().align_offset(64));
+        let past = |d: usize| (offset + spread * d) % 64;
+        let at = |d: usize| base.wrapping_add(d * stride + past(d));
+        let dsts: Vec<*mut u8> = (0..streamed).map(at).collect();
+        // SAFETY: each destination holds `count` f32 inside `mem`, apart.
+        unsafe {
+            k.reduce_streaming(
+                &dsts,
+                Some(at(streamed)),
+                a.as_ptr().cast(),
+                b.as_ptr().cast(),
+                count,
+                true,
+            )
+        };
+        let lead = base as usize - mem.as_ptr() as usize;
+        let case = format!("{streamed} streamed, spread {spread}, offset {offset}, count {count}");
+        for d in 0..dests {
+            let start = lead + d * stride + past(d);
+            let got = &mem[start..start + bytes];
+            let ok = got
+                .chunks_exact(4)
+                .enumerate()
+                .all(|(i, v)| f32::from_ne_bytes(v.try_into().unwrap()) == want(i));
+            assert!(ok, "destination {d}: {case}");
+            let next = lead + (d + 1) * stride + past(d + 1);
+            let after = &mem[start + bytes..next.min(mem.len())];
+            assert!(after.iter().all(|&x| x == 0), "past {d}: {case}");
+        }
+        assert!(
+            mem[..lead + offset].iter().all(|&x| x == 0),
+            "before the first: {case}"
+        );
     }
 }
