@@ -10,7 +10,8 @@
 //! `DIR/rank<R>.<pid>.jsonl`, one JSON object a line: a `collective` record per call
 //! (`op`, `seq`, `bytes`, `algorithm`, `start_us`, `end_us`) and a `step` record per
 //! plan step (`seq`, `lane`, `channel`, `index`, `step`, `from`, `to`, `bytes`,
-//! `start_us`, `end_us`; times in microseconds since the Unix epoch, so ranks of one
+//! `by_sender`: whether the sender wrote the step's destination itself, single copy's
+//! write-back; `start_us`, `end_us`; times in microseconds since the Unix epoch, so ranks of one
 //! host line up). They are `tracing` spans and events with target [`TRACE_TARGET`];
 //! when no trace is being written the engine does not even read the clock.
 //! `ferroccl-viz trace DIR` turns them into a timeline and a Chrome/Perfetto trace.

@@ -110,6 +110,39 @@ fn two_ranks_two_channels_with_single_copy_forced() {
     check_ranks_with(2, config);
 }
 
+/// The two-shot all-reduce with single copy between threads: each piece's owner folds
+/// it from every rank's input in place, all contributions slice by slice (a fold run
+/// whole), and every rank reads the other pieces back (between threads no rank writes
+/// a peer's memory: `PeerMemory::writable`). The whole grid on 2, 3 and 4 ranks (other
+/// collectives on their default algorithms), then calls whose results stream past the
+/// caches (4 ranks, 6 MiB, streaming stores forced), avg so the post-operation runs on
+/// the streamed lines, and bf16.
+#[test]
+fn two_shot_folding_whole_pieces_between_threads() {
+    for n in [2, 3, 4] {
+        let mut config = config(2);
+        config.protocols = vec![Protocol::SingleCopy];
+        config.algorithms = vec![ferroccl::plan::Algorithm::TwoShot];
+        check_ranks_with(n, config);
+    }
+    let mut config = config(1);
+    config.protocols = vec![Protocol::SingleCopy];
+    config.algorithms = vec![ferroccl::plan::Algorithm::TwoShot];
+    config.slot_stores = SlotStores::Streaming;
+    let large = 1_572_869;
+    let calls: Vec<common::Call> = [
+        (DataType::Float32, ReduceOp::Avg),
+        (DataType::Bfloat16, ReduceOp::Sum),
+    ]
+    .into_iter()
+    .flat_map(|(dtype, op)| {
+        [false, true].map(|in_place| (Collective::AllReduce, dtype, op, large, in_place))
+    })
+    .collect();
+    let wrong = run_grid(4, config, &calls);
+    assert!(wrong.is_empty(), "{wrong:?}");
+}
+
 /// Slots written with non-temporal stores (what a rank does towards a peer it measures
 /// far): the grid on 2 ranks (one-shot, two-shot and the ring's reductions into slots)
 /// and on 3 (the ring's copy-and-send and receive-reduce-send steps), Simple and LL (an

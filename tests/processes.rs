@@ -26,6 +26,9 @@ const COUNTS: [usize; 6] = [0, 1, 2, 7, 1023, 65_537];
 /// Bytes of the window that holds every buffer of a rank with `Net::ShmWindows` (the
 /// grid's largest calls, and the loop's two buffers of 16 MiB each).
 const ARENA_BYTES: usize = 32 << 20;
+/// Elements of the windows grid's large all-reduces: 6 MiB of `f32` per buffer, past
+/// where three ranks on two cores stream their results.
+const LARGE_IN_WINDOWS: usize = 1_572_869;
 /// Exit code of a surviving rank that reported the failure of a peer.
 const SAW_FAILURE: i32 = 3;
 
@@ -168,6 +171,15 @@ fn spawn_ranks(role: &str, n: usize, net: Net) -> Vec<Child> {
             }
             if net == Net::ShmWindows {
                 cmd.env("FERROCCL_TEST_WINDOWS", "1");
+                // Killed mid-loop: the two-shot, whose owners write into peers' windows.
+                if role == "loop" {
+                    cmd.env("FERROCCL_ALGO", "twoshot");
+                }
+            }
+            if role == "grid"
+                && let Some(dir) = trace_dir(net)
+            {
+                cmd.env("FERROCCL_TRACE", dir);
             }
             if net == Net::ShmSlotsKept {
                 cmd.env("FERROCCL_SLOT_EXCHANGE", "0")
@@ -216,7 +228,30 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
     } else {
         "small-grid"
     };
+    if let Some(dir) = trace_dir(net) {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     let outs = wait_all(spawn_ranks(role, n, net), Duration::from_secs(300))?;
+    // The two-shot's write-back: in windows, owners wrote their pieces into every peer's
+    // output (receives the sender wrote itself); with buffers outside windows a process
+    // cannot write its peers' memory, and every rank read its pieces itself.
+    if let Some(dir) = trace_dir(net) {
+        let written = written_by_sender(&dir)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        match net {
+            Net::ShmWindows if written.len() != n => {
+                return Err(format!(
+                    "ranks {written:?} of {n} got pieces written by their owners"
+                ));
+            }
+            Net::ShmSingleCopy if !written.is_empty() => {
+                return Err(format!(
+                    "ranks {written:?} got pieces written by peers outside windows"
+                ));
+            }
+            _ => {}
+        }
+    }
     for (rank, e) in outs.iter().enumerate() {
         let (code, out, err) = (e.code, &e.stdout, &e.stderr);
         if code != Some(0) || !out.contains("checks passed") {
@@ -260,6 +295,7 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
                     "single copy available",
                     "window 0 of 33554432 bytes",
                     "all_reduce of 262148 B uses twoshot/SingleCopy",
+                    "all_reduce of 6291476 B uses twoshot/SingleCopy",
                     "all_gather of 4 B uses oneshot/SingleCopy",
                 ],
                 "single copy off",
@@ -290,6 +326,41 @@ fn grid_on_processes(n: usize, net: Net) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Where the ranks of a grid on `net` write their traces (`FERROCCL_TRACE`): with single
+/// copy, to see whose receives their senders wrote.
+fn trace_dir(net: Net) -> Option<std::path::PathBuf> {
+    let name = match net {
+        Net::ShmWindows => "windows",
+        Net::ShmSingleCopy => "single-copy",
+        _ => return None,
+    };
+    let dir = format!("ferroccl-test-trace-{}-{name}", std::process::id());
+    Some(std::env::temp_dir().join(dir))
+}
+
+/// The ranks whose trace in `dir` has a step its sender wrote (`"by_sender":true`).
+fn written_by_sender(dir: &std::path::Path) -> Result<Vec<usize>, String> {
+    let mut ranks = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+        let rank = |l: &str| -> Option<usize> {
+            let at = l.find("\"rank\":")? + 7;
+            l[at..].split(',').next()?.parse().ok()
+        };
+        if let Some(r) = text
+            .lines()
+            .filter(|l| l.contains("\"by_sender\":true"))
+            .find_map(rank)
+        {
+            ranks.push(r);
+        }
+    }
+    ranks.sort_unstable();
+    Ok(ranks)
 }
 
 /// Makes the kernel refuse this process's `process_vm_readv` calls with `EPERM`: a
@@ -463,6 +534,24 @@ fn child(role: &str) -> u8 {
                                 checks += 1;
                             }
                         }
+                    }
+                }
+            }
+            // In windows, calls whose results stream past the caches: the two-shot's
+            // owners stream each piece to their output and to both peers' at once.
+            if arena.is_some() {
+                for (dtype, op) in [
+                    (DataType::Float32, ReduceOp::Avg),
+                    (DataType::Bfloat16, ReduceOp::Sum),
+                ] {
+                    for in_place in [false, true] {
+                        let c = Collective::AllReduce;
+                        let r = ferroccl::with_element_type!(dtype, T => run_and_check_in::<T>(&comm, c, op, LARGE_IN_WINDOWS, in_place, arena.as_mut()));
+                        if let Err(e) = r {
+                            eprintln!("{e}");
+                            return 1;
+                        }
+                        checks += 1;
                     }
                 }
             }

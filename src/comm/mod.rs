@@ -990,6 +990,9 @@ impl Communicator {
             protocol: choice.protocol,
             streaming,
             may_stream_slots: stores.streams_slots(),
+            write_back: choice.algorithm == Algorithm::TwoShot
+                && choice.protocol == Protocol::SingleCopy
+                && raw.collective == Collective::AllReduce,
         })
     }
 

@@ -136,6 +136,7 @@ impl OneStep<'_> {
             inbound,
             outbound,
             far,
+            also: &[],
         };
         // SAFETY: the slots are this side's between peek/reserve and release/commit and
         // hold `bytes` (one slice); regions are in bounds by contract.
@@ -206,6 +207,7 @@ mod tests {
             reducing: true,
             streaming: false,
             may_stream_slots: true,
+            write_back: false,
         }]
     }
 

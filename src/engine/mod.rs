@@ -31,7 +31,7 @@ use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::reduce::copy::{copy, copy_maybe_overlapping};
-use crate::reduce::stream::{stream_copy, stream_copy_keeping};
+use crate::reduce::stream::{MAX_STREAMED, stream_copy, stream_copy_keeping};
 use crate::transport::fifo::RecvEnd;
 use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, Protocol};
@@ -72,6 +72,10 @@ pub struct OpBuffers {
     /// against 3.2 with non-temporal ones on one host (2 ranks, 2026-11-25), and at
     /// 1.8–2.1 against 5.8–9.9 on another (2026-11-28, afternoon).
     pub may_stream_slots: bool,
+    /// Whether the operation is a two-shot all-reduce with single copy: its folds run
+    /// whole where they can, and owners write each folded piece into the peers' outputs
+    /// that lie in windows they mapped ([`crate::transport::single_copy`]).
+    pub write_back: bool,
 }
 
 /// Output size (bytes per rank) from which the engine writes results with streaming
@@ -129,6 +133,11 @@ struct LaneState {
     /// When tracing: when this rank reached the current step (µs since the epoch; 0 not
     /// yet).
     reached_us: u64,
+    /// The peers' outputs the lane's fold in progress writes too, and which peers it has
+    /// written (single copy's write-back).
+    write_back: single_copy::WriteBack,
+    /// Whether the current step's sender wrote its destination itself (for its trace).
+    by_sender: bool,
 }
 
 /// What a traced step record names besides the step itself.
@@ -160,10 +169,12 @@ impl StepTrace {
             from = step.recv_from().map_or(-1, |p| p as i64),
             to = step.send_to().map_or(-1, |p| p as i64),
             bytes = step.len() * elem,
+            by_sender = st.by_sender,
             start_us = st.reached_us,
             end_us = crate::trace::now_us(),
         );
         st.reached_us = 0;
+        st.by_sender = false;
     }
 }
 
@@ -387,16 +398,23 @@ fn blocked_peers(
 ) -> Vec<usize> {
     let mut peers = Vec::new();
     for (lane, st) in plan.lanes.iter().zip(lanes) {
-        let Some(step) = lane.steps.get(st.step).filter(|s| !s.is_local()) else {
+        let Some(step) = lane.steps.get(st.step) else {
             continue;
         };
-        step_blocked_on(
-            step,
-            lane.channel,
-            ops[op_of(step)].protocol,
-            conns,
-            &mut peers,
-        );
+        // A fold that runs whole waits on each of its steps' peers.
+        let run = match ops[op_of(step)].write_back && st.done == 0 {
+            true => single_copy::fold_run(&lane.steps, st.step).unwrap_or(st.step),
+            false => st.step,
+        };
+        for step in lane.steps[st.step..=run].iter().filter(|s| !s.is_local()) {
+            step_blocked_on(
+                step,
+                lane.channel,
+                ops[op_of(step)].protocol,
+                conns,
+                &mut peers,
+            );
+        }
     }
     peers.sort_unstable();
     peers.dedup();
@@ -514,6 +532,31 @@ unsafe fn advance(
         if trace.is_some() {
             StepTrace::reach(st);
         }
+        // A two-shot fold whose contributions are all in reach runs whole, slice by slice
+        // (traced, each of its steps is recorded with the fold's times).
+        if ops[op_of(step)].write_back
+            && st.done == 0
+            && let Some(last) = single_copy::fold_run(steps, st.step)
+        {
+            let run = &steps[st.step..=last];
+            // SAFETY: forwarded from this function's contract.
+            match unsafe { single_copy::advance_fold(run, channel, st, ops, conns, posted)? } {
+                Some(true) => {
+                    if let Some(t) = trace {
+                        let (first, reached) = (st.step, st.reached_us);
+                        for (index, step) in steps.iter().enumerate().take(last + 1).skip(first) {
+                            (st.step, st.reached_us) = (index, reached);
+                            t.finish(channel, step, ops[op_of(step)].kernel.dtype().size(), st);
+                        }
+                    }
+                    st.step = last + 1;
+                    moved = true;
+                    continue;
+                }
+                Some(false) => return Ok(moved),
+                None => {}
+            }
+        }
         if ops[op_of(step)].protocol == Protocol::SingleCopy && !step.is_local() {
             // SAFETY: forwarded from this function's contract.
             let (m, finished) =
@@ -539,8 +582,22 @@ unsafe fn advance(
             return Ok(moved);
         }
         if step.is_local() {
-            // SAFETY: regions inside their buffers by contract.
-            let elem = unsafe { local_step(ops, step) };
+            // A fold's last step stores its result in the peers' outputs too.
+            let also = match step {
+                Step::Reduce { post: true, .. } => st.write_back.outputs(),
+                _ => &[],
+            };
+            // SAFETY: regions inside their buffers by contract; a fold's targets are
+            // peers' outputs for its piece (`WriteBack`).
+            let elem = unsafe {
+                match also.is_empty() {
+                    true => local_step(ops, step),
+                    false => local_fold_to_peers(ops, step, also),
+                }
+            };
+            if matches!(step, Step::Reduce { post: true, .. }) {
+                st.write_back.fold_done();
+            }
             if let Some(t) = trace {
                 t.finish(channel, step, elem, st);
             }
@@ -600,6 +657,7 @@ unsafe fn advance(
                 inbound,
                 outbound,
                 far,
+                also: &[],
             };
             // SAFETY: slots are owned by this side between peek/reserve and
             // release/commit and hold `bytes`; regions are in bounds by contract.
@@ -696,13 +754,120 @@ unsafe fn local_step(ops: &[OpBuffers], step: &Step) -> usize {
     elem
 }
 
+/// A local step that ends a fold whose result goes to peers' outputs too (`also`, each
+/// where `dst`'s first element goes; single copy's write-back): `dst = a ⊕ b` as in
+/// [`local_step`], with its post-operation, in pieces that stay in the cache until they
+/// are stored at every destination. Returns its element size.
+///
+/// # Safety
+/// Regions inside their buffers; each of `also` writable for the step's elements and
+/// apart from `dst`, from the operands and from each other; at most
+/// [`MAX_STREAMED`] − 1 of them.
+unsafe fn local_fold_to_peers(ops: &[OpBuffers], step: &Step, also: &[*mut u8]) -> usize {
+    let elem = ops[op_of(step)].kernel.dtype().size();
+    let per_piece = (crate::transport::single_copy::STAGING_BYTES / elem).max(1);
+    let mut done = 0;
+    while done < step.len() {
+        let n = per_piece.min(step.len() - done);
+        // SAFETY: the pieces partition the step; forwarded.
+        unsafe { reduce_piece(ops, step, also, done, n) };
+        done += n;
+    }
+    elem
+}
+
+/// Elements `skip..skip + n` of a local fold step (`Reduce`): `dst = a ⊕ b` as in
+/// [`local_step`], with its post-operation when final, stored at each of `also` (where
+/// the step's first element goes) too.
+///
+/// # Safety
+/// As [`local_fold_to_peers`]; `skip + n` within the step.
+unsafe fn reduce_piece(ops: &[OpBuffers], step: &Step, also: &[*mut u8], skip: usize, n: usize) {
+    let Step::Reduce { a, b, dst, post } = *step else {
+        unreachable!("only a local fold reduces in pieces")
+    };
+    let op = &ops[dst.op];
+    let elem = op.kernel.dtype().size();
+    // SAFETY (block): inside the step's regions, in bounds by contract; `a` is only the
+    // input when `b` is not, so writing `pre(a)` to `dst` first never overwrites `b` (as
+    // in `local_step`).
+    unsafe {
+        let (pa, pb, d) = (
+            addr(ops, &a, skip),
+            addr(ops, &b, skip),
+            addr(ops, &dst, skip),
+        );
+        let pa = if a.buf == Buf::Input && op.kernel.has_pre() {
+            op.kernel.pre(d, pa, n);
+            d
+        } else {
+            pa
+        };
+        let peers = shifted(also, skip * elem);
+        let stream = op.streaming && dst.buf == Buf::Output;
+        let kernel = operand_kernel(op, &b);
+        store_result(op, kernel, stream, d, &peers[..also.len()], pa, pb, n, post);
+    }
+}
+
+/// `also`'s destinations `bytes` further on (at most [`MAX_STREAMED`] − 1 of them).
+fn shifted(also: &[*mut u8], bytes: usize) -> [*mut u8; MAX_STREAMED - 1] {
+    let mut out = [std::ptr::null_mut(); MAX_STREAMED - 1];
+    for (o, &p) in out.iter_mut().zip(also) {
+        *o = p.wrapping_add(bytes);
+    }
+    out
+}
+
+/// `first ⊕ second` with `kernel`, then the op's post-operation when `post`, stored at
+/// `d` and at each of `also` (peers' outputs): all streamed past the caches in one pass
+/// when `stream`, else computed at `d` with plain stores and copied from there while it
+/// is in the cache.
+///
+/// # Safety
+/// As [`Kernel::reduce`] for `d` and each of `also` (each may equal an operand, not `d`
+/// nor each other); at most [`MAX_STREAMED`] − 1 of `also`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_result(
+    op: &OpBuffers,
+    kernel: &Kernel,
+    stream: bool,
+    d: *mut u8,
+    also: &[*mut u8],
+    first: *const u8,
+    second: *const u8,
+    n: usize,
+    post: bool,
+) {
+    // SAFETY (block): the caller's contract.
+    unsafe {
+        if stream {
+            let mut dsts = [std::ptr::null_mut(); MAX_STREAMED];
+            dsts[0] = d;
+            dsts[1..=also.len()].copy_from_slice(also);
+            kernel.reduce_streaming(&dsts[..=also.len()], None, first, second, n, post);
+            return;
+        }
+        kernel.reduce(d, first, second, n);
+        if post {
+            op.kernel.post(d, n);
+        }
+        for &peer in also {
+            copy(peer, d, n * op.kernel.dtype().size());
+        }
+    }
+}
+
 /// The slots one slice moves through: the received one, the one to send, and whether
 /// its slot goes past the caches ([`Connections::streams_slots_to`]).
 #[derive(Clone, Copy)]
-pub(crate) struct SliceSlots {
+pub(crate) struct SliceSlots<'a> {
     pub(crate) inbound: Option<*const u8>,
     pub(crate) outbound: Option<*mut u8>,
     pub(crate) far: bool,
+    /// Peers' outputs that a final fold's result goes to as well, each where the step's
+    /// first element goes (single copy's write-back; empty otherwise).
+    pub(crate) also: &'a [*mut u8],
 }
 
 /// Moves one slice of `n` elements starting `skip` elements into the step; towards a
@@ -726,8 +891,10 @@ unsafe fn move_slice(
         inbound,
         outbound,
         far,
+        also,
     } = slots;
-    let bytes = n * op.kernel.dtype().size();
+    let elem = op.kernel.dtype().size();
+    let bytes = n * elem;
     let stream_slot = far && bytes >= FAR_SLOT_STREAMING_FROM;
     let k = &op.kernel;
     // SAFETY (whole block): the caller guarantees the slots and regions; slots never
@@ -794,7 +961,7 @@ unsafe fn move_slice(
             } => {
                 let d = addr(ops, &dst, skip);
                 let s = addr(ops, &src, skip);
-                if local_first {
+                let (kernel, first, second) = if local_first {
                     // `s ⊕ x`: the received contribution is already pre-processed; a
                     // local contribution gets its pre-operation first (into `d`).
                     let s = if src.buf == Buf::Input && k.has_pre() {
@@ -803,22 +970,22 @@ unsafe fn move_slice(
                     } else {
                         s
                     };
-                    if stream(&dst) {
-                        op.plain.reduce_streaming(&[d], None, s, x, n, post);
-                        return;
-                    }
-                    op.plain.reduce(d, s, x, n);
+                    (&op.plain, s as *const u8, x)
                 } else {
-                    let kernel = operand_kernel(op, &src);
-                    if stream(&dst) {
-                        kernel.reduce_streaming(&[d], None, x, s, n, post);
-                        return;
-                    }
-                    kernel.reduce(d, x, s, n);
-                }
-                if post {
-                    k.post(d, n);
-                }
+                    (operand_kernel(op, &src), x, s as *const u8)
+                };
+                let peers = shifted(also, skip * elem);
+                store_result(
+                    op,
+                    kernel,
+                    stream(&dst),
+                    d,
+                    &peers[..also.len()],
+                    first,
+                    second,
+                    n,
+                    post,
+                );
             }
             Step::RecvReduceCopySend { src, dst, .. } => {
                 let d = addr(ops, &dst, skip);

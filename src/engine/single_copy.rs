@@ -9,13 +9,87 @@
 //! it sends (its source, or the destination it has just written) and records it in
 //! [`PostedRegions`]: until the peer releases it, no step of this rank writes memory
 //! that overlaps it, and the call does not return.
+//!
+//! In a two-shot all-reduce ([`OpBuffers::write_back`]) the descriptor of an input's
+//! piece also names where the sender's result for it goes; the piece's owner, when it
+//! can write there, notes it in the lane's [`WriteBack`], stores its fold's result
+//! there too, and then publishes its result to that peer flagged [`WRITTEN`]: the
+//! peer's receive reads nothing and releases the slot. The peer cannot leave the call
+//! before that receive, so the owner's writes into its output end inside the call; a
+//! failed owner leaves the receive waiting until the failure is named, as any
+//! receive's.
 
-use super::{LaneState, OpBuffers, SliceSlots, addr, move_slice, no_connection, op_of};
+use super::{
+    LaneState, OpBuffers, SliceSlots, addr, move_slice, no_connection, op_of, reduce_piece, shifted,
+};
 use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
 use crate::reduce::copy::copy_maybe_overlapping;
-use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE};
+use crate::reduce::stream::MAX_STREAMED;
+use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE, PeerMemory, WRITTEN};
 use crate::transport::{Connections, PeerState};
+
+/// Most peers' outputs one fold writes besides its own (the reduction streams to at
+/// most [`MAX_STREAMED`] destinations); a peer beyond them reads its piece itself.
+const MAX_WRITE_BACK: usize = MAX_STREAMED - 1;
+
+/// What a lane's write-back holds: the peers' outputs the fold in progress stores its
+/// result in too, and the peers whose outputs hold the last folded piece until its
+/// descriptor tells them so.
+#[derive(Clone, Copy)]
+pub(super) struct WriteBack {
+    /// Where each target peer's output for the piece begins, and the peer.
+    outputs: [*mut u8; MAX_WRITE_BACK],
+    peers: [usize; MAX_WRITE_BACK],
+    len: usize,
+    /// The peers written (bit `r` for rank `r`), not yet told.
+    written: u128,
+}
+
+impl Default for WriteBack {
+    fn default() -> Self {
+        WriteBack {
+            outputs: [std::ptr::null_mut(); MAX_WRITE_BACK],
+            peers: [0; MAX_WRITE_BACK],
+            len: 0,
+            written: 0,
+        }
+    }
+}
+
+impl WriteBack {
+    /// Adds `peer`'s output, at `output`, to the fold in progress; a peer past the
+    /// capacity is left to read its piece itself.
+    fn target(&mut self, peer: usize, output: *mut u8) {
+        if self.len < MAX_WRITE_BACK && peer < u128::BITS as usize {
+            self.outputs[self.len] = output;
+            self.peers[self.len] = peer;
+            self.len += 1;
+        }
+    }
+
+    /// The outputs the fold in progress writes besides its own.
+    pub(super) fn outputs(&self) -> &[*mut u8] {
+        &self.outputs[..self.len]
+    }
+
+    /// The fold's last step is done: its targets hold the piece.
+    pub(super) fn fold_done(&mut self) {
+        for &peer in &self.peers[..self.len] {
+            self.written |= 1 << peer;
+        }
+        self.len = 0;
+    }
+
+    /// Whether `peer`'s output holds the piece this rank is about to publish to it
+    /// (forgotten once asked).
+    fn take_written(&mut self, peer: usize) -> bool {
+        let bit = 1u128.checked_shl(peer as u32).unwrap_or(0);
+        let was = self.written & bit != 0;
+        self.written &= !bit;
+        was
+    }
+}
 
 /// A region this rank published to a peer, which the peer may still be reading.
 #[derive(Clone, Copy, Debug)]
@@ -142,8 +216,14 @@ pub(super) unsafe fn advance_step(
         match step.recv_from() {
             // SAFETY: forwarded.
             Some(from) => {
-                if !unsafe { receive(step, channel, from, ops, &op, conns, call)? } {
-                    return Ok((false, false));
+                let wb = &mut st.write_back;
+                match unsafe { receive(step, channel, from, ops, &op, conns, call, wb)? } {
+                    Received::NotYet => return Ok((false, false)),
+                    Received::Read => {}
+                    Received::Written => st.by_sender = true,
+                }
+                if matches!(step, Step::RecvReduceCopy { post: true, .. }) {
+                    wb.fold_done();
                 }
             }
             // SAFETY: forwarded.
@@ -155,9 +235,29 @@ pub(super) unsafe fn advance_step(
     let Some(to) = step.send_to() else {
         return Ok((moved, true));
     };
-    let (region, flags) = published(step, &op);
+    let (region, mut flags) = published(step, &op);
     // SAFETY: in bounds by contract.
     let start = unsafe { addr(ops, &region, 0) } as usize;
+    // A piece of the input goes to its owner with where its result goes here; the
+    // owner's result comes back flagged when the owner wrote it here itself.
+    let back = match (op.write_back, region.buf) {
+        // SAFETY: an all-reduce's output has the input's layout, in bounds by contract.
+        (true, Buf::Input) => unsafe {
+            addr(
+                ops,
+                &Region {
+                    buf: Buf::Output,
+                    ..region
+                },
+                0,
+            )
+        },
+        (true, Buf::Output) if st.write_back.take_written(to) => {
+            flags |= WRITTEN;
+            std::ptr::null_mut()
+        }
+        _ => std::ptr::null_mut(),
+    };
     let bytes = region.len * op.kernel.dtype().size();
     let (send, _) = conns.ends(channel, op.protocol, Some(to), None);
     let send = send.ok_or_else(|| no_connection(step, channel))?;
@@ -168,6 +268,7 @@ pub(super) unsafe fn advance_step(
         addr: start as u64,
         bytes: bytes as u64,
         flags,
+        back: back as u64,
     };
     // SAFETY: a reserved Simple slot holds far more than DESCRIPTOR_BYTES.
     unsafe { descriptor.write(slot) };
@@ -221,11 +322,23 @@ unsafe fn local_part(step: &Step, ops: &[OpBuffers], op: &OpBuffers) {
     }
 }
 
-/// The receiving part of a step: reads the region `from` published, whole; returns
-/// `false` when its descriptor has not arrived.
+/// What the receiving part of a step found.
+enum Received {
+    /// The descriptor has not arrived.
+    NotYet,
+    /// The region it names, read.
+    Read,
+    /// The sender's word that it wrote the destination itself ([`WRITTEN`]).
+    Written,
+}
+
+/// The receiving part of a step: reads the region `from` published, whole (or nothing,
+/// when `from` has written it here already: [`WRITTEN`]). A descriptor that names where
+/// `from`'s result goes adds that output to `write_back` when this rank can write there.
 ///
 /// # Safety
 /// Regions in bounds.
+#[allow(clippy::too_many_arguments)]
 unsafe fn receive(
     step: &Step,
     channel: usize,
@@ -234,31 +347,35 @@ unsafe fn receive(
     op: &OpBuffers,
     conns: &mut Connections,
     call: &CallInfo,
-) -> Result<bool> {
+    write_back: &mut WriteBack,
+) -> Result<Received> {
     let len = step.len();
     let elem = op.kernel.dtype().size();
     let bytes = len * elem;
-    let descriptor = {
-        let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
-        let recv = recv.ok_or_else(|| no_connection(step, channel))?;
-        let Some((slot, got)) = recv.try_peek() else {
-            return Ok(false);
-        };
-        // SAFETY: the peeked slot holds `got` bytes.
-        unsafe { Descriptor::read(slot, got) }
+    let Some(d) = peek_descriptor(step, channel, from, op, conns)? else {
+        return Ok(Received::NotYet);
     };
-    let Some(d) = descriptor.filter(|d| d.bytes == bytes as u64) else {
-        return Err(Error::invalid(format!(
-            "engine: single-copy step `{step}` expected a region of {bytes} bytes from rank \
-             {from} but got {descriptor:?} (ranks called different operations or counts?)"
-        )));
-    };
-    let Some((memory, stage, stage_bytes)) = conns.single_copy_parts() else {
-        return Err(Error::invalid(
-            "engine: a single-copy call on connections without single copy",
-        ));
-    };
+    let (memory, stage, stage_bytes) = single_copy_parts(conns)?;
     let pre = d.flags & NEEDS_PRE != 0;
+    let written = d.flags & WRITTEN != 0;
+    if written && !(op.write_back && matches!(step, Step::Recv { .. })) {
+        return Err(Error::invalid(format!(
+            "engine: single-copy step `{step}` got a result rank {from} wrote into this \
+             rank's output, which this call does not expect (ranks chose different \
+             algorithms?)"
+        )));
+    }
+    if op.write_back
+        && d.back != 0
+        && let Some(output) = memory.writable(from, d.back, bytes)
+    {
+        write_back.target(from, output);
+    }
+    // The fold's last step stores its result in the peers' outputs too.
+    let also = match step {
+        Step::RecvReduceCopy { post: true, .. } => write_back.outputs(),
+        _ => &[],
+    };
     // From a thread of this process, or from a window this rank mapped, a contribution
     // that needs no pre-operation is worked on straight from its region, in pieces as
     // the slice code expects (a copy then streams into a large output as the FIFO path
@@ -266,6 +383,7 @@ unsafe fn receive(
     // pieces are read into the staging buffer first (and pre-processed there).
     let direct = memory.direct(from, d.addr, bytes).filter(|_| !pre);
     let read = match *step {
+        _ if written => Ok(()),
         Step::Recv { dst, .. } | Step::RecvCopySend { dst, .. } if direct.is_none() => {
             // SAFETY (block): `dst` is `bytes` writable bytes by contract; the peer keeps
             // its region until this rank releases the descriptor (or fails: below).
@@ -316,6 +434,7 @@ unsafe fn receive(
                                 inbound: Some(inbound),
                                 outbound: None,
                                 far: false,
+                                also,
                             },
                         )
                     }
@@ -331,6 +450,58 @@ unsafe fn receive(
             )));
         }
     };
+    settle(step, channel, from, op, conns, call, read)?;
+    Ok(if written {
+        Received::Written
+    } else {
+        Received::Read
+    })
+}
+
+/// The descriptor `step` expects from `from`, if it has arrived (left in its slot).
+fn peek_descriptor(
+    step: &Step,
+    channel: usize,
+    from: usize,
+    op: &OpBuffers,
+    conns: &mut Connections,
+) -> Result<Option<Descriptor>> {
+    let bytes = step.len() * op.kernel.dtype().size();
+    let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
+    let recv = recv.ok_or_else(|| no_connection(step, channel))?;
+    let Some((slot, got)) = recv.try_peek() else {
+        return Ok(None);
+    };
+    // SAFETY: the peeked slot holds `got` bytes.
+    let descriptor = unsafe { Descriptor::read(slot, got) };
+    match descriptor.filter(|d| d.bytes == bytes as u64) {
+        Some(d) => Ok(Some(d)),
+        None => Err(Error::invalid(format!(
+            "engine: single-copy step `{step}` expected a region of {bytes} bytes from rank \
+             {from} but got {descriptor:?} (ranks called different operations or counts?)"
+        ))),
+    }
+}
+
+/// How this rank reaches its peers' memory, and its staging buffer and its length.
+fn single_copy_parts(conns: &mut Connections) -> Result<(&PeerMemory, *mut u8, usize)> {
+    conns.single_copy_parts().ok_or_else(|| {
+        Error::invalid("engine: a single-copy call on connections without single copy")
+    })
+}
+
+/// Ends the receiving part of `step` from `from` after reading what its descriptor
+/// names (`read`): the call fails if the read did or the peer left meanwhile, else the
+/// descriptor's slot is released (the peer's "done").
+fn settle(
+    step: &Step,
+    channel: usize,
+    from: usize,
+    op: &OpBuffers,
+    conns: &mut Connections,
+    call: &CallInfo,
+    read: std::result::Result<(), String>,
+) -> Result<()> {
     // A peer leaves a failed call only after closing its bell (`Communicator::fail_after`),
     // and only then may its owner free the region: if the bell is still open after the
     // read, what was read is what the peer published. If it is closed, or the read
@@ -347,5 +518,152 @@ unsafe fn receive(
     let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
     recv.ok_or_else(|| no_connection(step, channel))?.release();
     conns.ring_recv(channel, from);
-    Ok(true)
+    Ok(())
+}
+
+/// Bytes of the slices a whole fold runs in ([`advance_fold`]): the partial result of a
+/// slice stays in the L1 cache from one contribution to the next.
+const FOLD_SLICE_BYTES: usize = 32 * 1024;
+
+/// Where a whole fold keeps a slice's partial results (left uninitialised: a fold's first
+/// step writes each slice of it before a later one reads it).
+#[repr(C, align(64))]
+struct FoldTile(std::mem::MaybeUninit<[u8; FOLD_SLICE_BYTES]>);
+
+/// The fold that starts at `steps[at]`, if one does: the index of its last step. A fold
+/// (the two-shot's, [`crate::plan`]'s `Builder::fold`) is a receive into scratch or a
+/// first reduction, then reductions of one length, the last one final (`post`).
+pub(super) fn fold_run(steps: &[Step], at: usize) -> Option<usize> {
+    let len = steps.get(at)?.len();
+    for (k, step) in steps[at..].iter().enumerate() {
+        let post = match *step {
+            Step::Recv { dst, .. } if k == 0 && dst.buf == Buf::Scratch => false,
+            Step::RecvReduceCopy { post, .. } | Step::Reduce { post, .. } => post,
+            _ => return None,
+        };
+        if step.len() != len || k >= MAX_STREAMED {
+            return None;
+        }
+        if post {
+            return (k > 0).then_some(at + k);
+        }
+    }
+    None
+}
+
+/// Runs a whole fold of a two-shot all-reduce (`run`: its steps, from [`fold_run`]) at
+/// once, slice by slice through all its steps, when every contribution can be read in
+/// place (a thread of this process or a window): each slice's partial result stays in
+/// the cache from one contribution to the next, and the final one goes to this rank's
+/// output and to the peers' outputs it can write. Step by step, each step would pass
+/// over the whole piece and its partial result once more. The steps' results are the
+/// same: each reads and writes the same elements of its regions as the step before.
+///
+/// Returns `None` when some contribution must be read another way (the steps then run
+/// one by one), `Some(false)` while a contribution has not been published, and
+/// `Some(true)` when the fold is done.
+///
+/// # Safety
+/// As [`super::execute`].
+pub(super) unsafe fn advance_fold(
+    run: &[Step],
+    channel: usize,
+    st: &mut LaneState,
+    ops: &[OpBuffers],
+    conns: &mut Connections,
+    posted: &mut PostedRegions,
+) -> Result<Option<bool>> {
+    let op = ops[op_of(&run[0])];
+    let elem = op.kernel.dtype().size();
+    let len = run[0].len();
+    // Each step's contribution, read in place, and where its sender's result goes.
+    let mut inbound = [std::ptr::null::<u8>(); MAX_STREAMED];
+    let mut back = [0u64; MAX_STREAMED];
+    for (k, step) in run.iter().enumerate() {
+        // SAFETY: regions in bounds by contract.
+        if let Some(w) = unsafe { written(step, ops) }
+            && unsafe { posted.blocks(conns, ops, &w) }
+        {
+            return Ok(Some(false));
+        }
+        let Some(from) = step.recv_from() else {
+            continue;
+        };
+        let Some(d) = peek_descriptor(step, channel, from, &op, conns)? else {
+            return Ok(Some(false));
+        };
+        let (memory, _, _) = single_copy_parts(conns)?;
+        match memory.direct(from, d.addr, len * elem) {
+            Some(region) if d.flags == 0 => (inbound[k], back[k]) = (region, d.back),
+            _ => return Ok(None),
+        }
+    }
+    let (memory, _, _) = single_copy_parts(conns)?;
+    for (k, step) in run.iter().enumerate() {
+        if let Some(from) = step.recv_from()
+            && back[k] != 0
+            && let Some(output) = memory.writable(from, back[k], len * elem)
+        {
+            st.write_back.target(from, output);
+        }
+    }
+    // The partial results of a slice live in a tile of their own (the steps' scratch
+    // region, as long as the piece, would be walked through and written back).
+    let mut tile = FoldTile(std::mem::MaybeUninit::uninit());
+    let mut local = ops.to_vec();
+    local[op_of(&run[0])].scratch = tile.0.as_mut_ptr().cast();
+    let per_slice = (FOLD_SLICE_BYTES / elem).max(1);
+    let last = run.len() - 1;
+    let mut done = 0;
+    while done < len {
+        let n = per_slice.min(len - done);
+        for (k, step) in run.iter().enumerate() {
+            // The step on this slice: its scratch in the tile, the rest where it is.
+            let slice = step.map_regions(|r| match r.buf {
+                Buf::Scratch => Region {
+                    offset: 0,
+                    len: n,
+                    ..r
+                },
+                _ => Region {
+                    offset: r.offset + done,
+                    len: n,
+                    ..r
+                },
+            });
+            // The last step stores the result in the peers' outputs too.
+            let targets = if k == last {
+                st.write_back.outputs()
+            } else {
+                &[]
+            };
+            let also = &shifted(targets, done * elem)[..targets.len()];
+            // SAFETY (block): the slice lies inside every step's regions (one length),
+            // its scratch in the tile (`per_slice` elements); `inbound[k]` is the peer's
+            // region of `len` elements, which it keeps until this rank releases its
+            // descriptor; `also` are peers' outputs for the slice.
+            unsafe {
+                match step.is_local() {
+                    true => reduce_piece(&local, &slice, also, 0, n),
+                    false => {
+                        let slots = SliceSlots {
+                            inbound: Some(inbound[k].add(done * elem)),
+                            outbound: None,
+                            far: false,
+                            also,
+                        };
+                        move_slice(&slice, &local, &local[op_of(step)], 0, n, slots);
+                    }
+                }
+            }
+        }
+        done += n;
+    }
+    for step in run {
+        if let Some(from) = step.recv_from() {
+            settle(step, channel, from, &op, conns, posted.call, Ok(()))?;
+        }
+    }
+    st.write_back.fold_done();
+    Ok(Some(true))
 }

@@ -292,6 +292,16 @@ impl Step {
         }
     }
 
+    /// The same step on other regions: each of its regions replaced by `f` of it (a
+    /// step on elements `skip..skip + n` of every region, say).
+    pub fn map_regions(&self, f: impl Fn(Region) -> Region) -> Step {
+        let mut step = *self;
+        for r in step.regions_mut().into_iter().flatten() {
+            *r = f(*r);
+        }
+        step
+    }
+
     /// Adds `shift` to the operation index of every region of the step.
     fn shift_ops(&mut self, shift: usize) {
         for r in self.regions_mut().into_iter().flatten() {

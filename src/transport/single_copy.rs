@@ -15,6 +15,15 @@
 //! regions until then). This is what MPI libraries call a rendezvous with a single copy
 //! (Open MPI's `vader` with CMA, MPICH's `nemesis` LMT).
 //!
+//! The two-shot all-reduce also writes by reference: a rank that sends its input's
+//! piece to the piece's owner names in the same descriptor where its own result for
+//! that piece goes ([`Descriptor::back`]), and an owner that can write there (a window
+//! of another process that it mapped: [`PeerMemory::writable`]) streams the folded
+//! piece into that output while it stores its own, then tells the peer with
+//! [`WRITTEN`] instead of having it read the piece back: each rank reads every byte of
+//! its piece once and writes every rank's copy of it once, one pass over memory fewer
+//! than reading the result back.
+//!
 //! Whether the kernel lets ranks read each other is found at initialisation
 //! (`agree`): every rank publishes its process id and the address of a known word,
 //! reads every local peer's word, and all ranks share their verdicts; one refusal (Yama
@@ -40,11 +49,16 @@ const PROBE_MAGIC: u64 = u64::from_le_bytes(*b"FCCLREAD");
 pub const STAGING_BYTES: usize = 256 * 1024;
 
 /// Bytes of a [`Descriptor`] in a slot.
-pub const DESCRIPTOR_BYTES: usize = 24;
+pub const DESCRIPTOR_BYTES: usize = 32;
 
 /// Flag: the region is the sender's own contribution, which still needs the op's
 /// pre-operation (the sender does not apply it when it only publishes its input).
 pub const NEEDS_PRE: u64 = 1;
+
+/// Flag: the sender has already written the region into the receiver's destination
+/// (through [`Descriptor::back`] of the receiver's own descriptor): the receiver reads
+/// nothing and releases the slot, which is its "done".
+pub const WRITTEN: u64 = 2;
 
 /// A message by reference: `bytes` bytes at `addr` in the sender's address space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,8 +67,12 @@ pub struct Descriptor {
     pub addr: u64,
     /// Its length.
     pub bytes: u64,
-    /// [`NEEDS_PRE`] or 0.
+    /// [`NEEDS_PRE`], [`WRITTEN`] or 0.
     pub flags: u64,
+    /// Where, in the sender's memory, the result made of this region goes (the sender's
+    /// output at the same place, `bytes` long), for a receiver that folds it and may
+    /// write there itself; 0 when the receiver may not.
+    pub back: u64,
 }
 
 impl Descriptor {
@@ -63,7 +81,7 @@ impl Descriptor {
     /// # Safety
     /// `slot` must be writable for [`DESCRIPTOR_BYTES`] bytes.
     pub unsafe fn write(&self, slot: *mut u8) {
-        let words = [self.addr, self.bytes, self.flags];
+        let words = [self.addr, self.bytes, self.flags, self.back];
         // SAFETY: the caller provides DESCRIPTOR_BYTES writable bytes; unaligned
         // writes need no alignment.
         unsafe {
@@ -79,7 +97,7 @@ impl Descriptor {
         if len != DESCRIPTOR_BYTES {
             return None;
         }
-        let mut words = [0u64; 3];
+        let mut words = [0u64; 4];
         // SAFETY: `len` readable bytes, checked to be DESCRIPTOR_BYTES.
         unsafe {
             std::ptr::copy_nonoverlapping(slot, words.as_mut_ptr().cast::<u8>(), DESCRIPTOR_BYTES)
@@ -88,6 +106,7 @@ impl Descriptor {
             addr: words[0],
             bytes: words[1],
             flags: words[2],
+            back: words[3],
         })
     }
 }
@@ -121,6 +140,21 @@ impl PeerMemory {
     pub fn direct(&self, peer: usize, addr: u64, len: usize) -> Option<*const u8> {
         self.in_process(peer, addr)
             .or_else(|| self.windows[peer].iter().find_map(|w| w.lookup(addr, len)))
+    }
+
+    /// `len` bytes at `addr` in rank `peer`'s memory as a pointer this rank may write
+    /// through: only inside a window of another process that this rank has mapped, whose
+    /// pages this rank's own mapping keeps alive whatever the peer does (a peer that
+    /// leaves a failed call early may free its other memory while this rank still
+    /// writes, and a thread of this process has no mapping of its own: its peers read
+    /// their results themselves); `None` otherwise.
+    pub fn writable(&self, peer: usize, addr: u64, len: usize) -> Option<*mut u8> {
+        if !self.in_other_process(peer) {
+            return None;
+        }
+        self.windows[peer]
+            .iter()
+            .find_map(|w| w.lookup_mut(addr, len))
     }
 
     /// Whether rank `peer` is another process (whose windows this rank maps), not a

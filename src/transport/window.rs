@@ -8,9 +8,11 @@
 //! the allocation holding it, the owner's process id, the descriptor of its `memfd` and
 //! where it lies; every rank of another process opens `/proc/<pid>/fd/<fd>` (which needs
 //! ptrace *read* access, which Yama's `ptrace_scope` 1 grants, unlike the attach access of
-//! `process_vm_readv`) and maps it read-only once. From then on a descriptor whose region
-//! lies in a mapped window is read through the mapping
-//! ([`PeerMemory::direct`](super::single_copy::PeerMemory::direct)); any other region
+//! `process_vm_readv`) and maps it once, readable and writable (as NCCL's symmetric
+//! windows are). From then on a descriptor whose region lies in a mapped window is read
+//! through the mapping ([`PeerMemory::direct`](super::single_copy::PeerMemory::direct)),
+//! and the two-shot all-reduce writes a peer's result there
+//! ([`PeerMemory::writable`](super::single_copy::PeerMemory::writable)); any other region
 //! is still read with `process_vm_readv`, so a call on buffers outside windows is slower,
 //! never wrong.
 
@@ -221,7 +223,7 @@ impl Window {
     }
 }
 
-/// A peer's window, mapped read-only into this process.
+/// A peer's window, mapped into this process.
 #[derive(Debug)]
 pub(crate) struct PeerWindow {
     /// The communicator's number of the window.
@@ -229,16 +231,22 @@ pub(crate) struct PeerWindow {
     /// Where the allocation lies in the peer's memory.
     pub remote_base: u64,
     pub len: usize,
-    map: memmap2::Mmap,
+    map: memmap2::MmapRaw,
 }
 
 impl PeerWindow {
     /// Maps the allocation `peer` (rank `rank`) published.
     pub fn map(id: u64, rank: usize, peer: &Published) -> std::result::Result<Self, String> {
         let path = format!("/proc/{}/fd/{}", peer.pid, peer.fd);
-        let file = File::open(&path).map_err(|e| {
-            format!("opening rank {rank}'s window memory {path}: {e} (ptrace read access denied?)")
-        })?;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| {
+                format!(
+                    "opening rank {rank}'s window memory {path}: {e} (ptrace read access denied?)"
+                )
+            })?;
         let len = usize::try_from(peer.len).map_err(|_| format!("{} bytes", peer.len))?;
         let on_disk = file.metadata().map(|m| m.len()).unwrap_or(0);
         if on_disk < peer.len {
@@ -247,11 +255,13 @@ impl PeerWindow {
                 peer.len
             ));
         }
-        // SAFETY: a shared read-only mapping of a memfd sealed against shrinking, so no
-        // access within `len` can fault; its bytes change under this process only while a
-        // peer writes them, and the single-copy protocol reads a region only between the
-        // peer's publishing it and this rank's releasing it.
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file) }
+        // A raw mapping (no references are made to its bytes): a shared mapping of a
+        // memfd sealed against shrinking, so no access within `len` can fault. Its bytes
+        // are read only between the peer's publishing a region and this rank's releasing
+        // it, and written only where the peer named its own result (`lookup_mut`).
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
             .map_err(|e| format!("mapping rank {rank}'s window memory {path}: {e}"))?;
         Ok(PeerWindow {
             id,
@@ -263,8 +273,13 @@ impl PeerWindow {
 
     /// `len` bytes at `addr` in the peer's memory, through this mapping, if they lie in it.
     pub fn lookup(&self, addr: u64, len: usize) -> Option<*const u8> {
+        self.lookup_mut(addr, len).map(|p| p.cast_const())
+    }
+
+    /// As [`PeerWindow::lookup`], to write through.
+    pub fn lookup_mut(&self, addr: u64, len: usize) -> Option<*mut u8> {
         let offset = usize::try_from(addr.checked_sub(self.remote_base)?).ok()?;
-        (offset.checked_add(len)? <= self.len).then(|| self.map.as_ptr().wrapping_add(offset))
+        (offset.checked_add(len)? <= self.len).then(|| self.map.as_mut_ptr().wrapping_add(offset))
     }
 }
 
@@ -297,7 +312,7 @@ mod tests {
     }
 
     #[test]
-    fn a_mapping_through_proc_sees_the_owners_writes_and_bounds_lookups() {
+    fn a_mapping_through_proc_shares_writes_both_ways_and_bounds_lookups() {
         let mut mem = SharedMemory::new(3 * 4096 + 5).unwrap();
         let (_, published) = find(mem.as_ptr() as usize, 1).unwrap();
         let peer = PeerWindow::map(3, 1, &published).unwrap();
@@ -305,6 +320,11 @@ mod tests {
         let at = peer.lookup(published.base + 4096, 4096).unwrap();
         // SAFETY: inside the mapping (lookup checked the bounds).
         assert_eq!(unsafe { *at }, 42);
+        // And the owner sees what is written through it (a two-shot's write-back).
+        let into = peer.lookup_mut(published.base + 8192, 1).unwrap();
+        // SAFETY: inside the mapping, writable; nothing else touches the byte.
+        unsafe { *into = 7 };
+        assert_eq!(mem.as_slice()[8192], 7);
         assert!(peer.lookup(published.base - 1, 1).is_none());
         assert!(peer.lookup(published.base + 3 * 4096, 6).is_none());
         assert!(peer.lookup(published.base + 3 * 4096, 5).is_some());
