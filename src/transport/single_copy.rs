@@ -196,8 +196,8 @@ impl PeerMemory {
     ) -> std::result::Result<(), String> {
         if let Some(src) = self.direct(peer, addr, len) {
             // SAFETY: `dst` by this function's contract; `src` is a thread's region (the
-            // contract) or `len` bytes inside a window's read-only mapping (`direct`
-            // checked the bounds), which `dst`, writable, cannot overlap.
+            // contract) or `len` bytes inside this rank's mapping of a peer's window
+            // (`direct` checked the bounds), which no caller's buffer lies in.
             unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
             return Ok(());
         }
