@@ -525,11 +525,6 @@ fn settle(
 /// slice stays in the L1 cache from one contribution to the next.
 const FOLD_SLICE_BYTES: usize = 32 * 1024;
 
-/// Where a whole fold keeps a slice's partial results (left uninitialised: a fold's first
-/// step writes each slice of it before a later one reads it).
-#[repr(C, align(64))]
-struct FoldTile(std::mem::MaybeUninit<[u8; FOLD_SLICE_BYTES]>);
-
 /// The fold that starts at `steps[at]`, if one does: the index of its last step. A fold
 /// (the two-shot's, [`crate::plan`]'s `Builder::fold`) is a receive into scratch or a
 /// first reduction, then reductions of one length, the last one final (`post`).
@@ -607,12 +602,14 @@ pub(super) unsafe fn advance_fold(
             st.write_back.target(from, output);
         }
     }
-    // The partial results of a slice live in a tile of their own (the steps' scratch
-    // region, as long as the piece, would be walked through and written back).
-    let mut tile = FoldTile(std::mem::MaybeUninit::uninit());
+    // The partial results of a slice live in a tile of their own, the start of the
+    // staging buffer, which contributions read in place never use (the steps' scratch
+    // region, as long as the piece, would be walked through and written back). A fold's
+    // first step writes each slice of it before a later step reads it.
+    let (_, tile, tile_bytes) = single_copy_parts(conns)?;
     let mut local = ops.to_vec();
-    local[op_of(&run[0])].scratch = tile.0.as_mut_ptr().cast();
-    let per_slice = (FOLD_SLICE_BYTES / elem).max(1);
+    local[op_of(&run[0])].scratch = tile;
+    let per_slice = (FOLD_SLICE_BYTES.min(tile_bytes) / elem).max(1);
     let last = run.len() - 1;
     let mut done = 0;
     while done < len {
@@ -639,7 +636,8 @@ pub(super) unsafe fn advance_fold(
             };
             let also = &shifted(targets, done * elem)[..targets.len()];
             // SAFETY (block): the slice lies inside every step's regions (one length),
-            // its scratch in the tile (`per_slice` elements); `inbound[k]` is the peer's
+            // its scratch in the tile (`per_slice` elements, which overlaps no user
+            // buffer); `inbound[k]` is the peer's
             // region of `len` elements, which it keeps until this rank releases its
             // descriptor; `also` are peers' outputs for the slice.
             unsafe {
