@@ -58,10 +58,14 @@ impl Default for WriteBack {
 }
 
 impl WriteBack {
-    /// Adds `peer`'s output, at `output`, to the fold in progress; a peer past the
-    /// capacity is left to read its piece itself.
-    fn target(&mut self, peer: usize, output: *mut u8) {
-        if self.len < MAX_WRITE_BACK && peer < u128::BITS as usize {
+    /// Adds `peer`'s output for the piece (`back`, `bytes` long, from its descriptor)
+    /// to the fold in progress when this rank can write there; a peer it cannot reach,
+    /// or past the capacity, reads its piece itself.
+    fn target(&mut self, memory: &PeerMemory, peer: usize, back: u64, bytes: usize) {
+        if back == 0 || self.len == MAX_WRITE_BACK || peer >= u128::BITS as usize {
+            return;
+        }
+        if let Some(output) = memory.writable(peer, back, bytes) {
             self.outputs[self.len] = output;
             self.peers[self.len] = peer;
             self.len += 1;
@@ -365,11 +369,8 @@ unsafe fn receive(
              algorithms?)"
         )));
     }
-    if op.write_back
-        && d.back != 0
-        && let Some(output) = memory.writable(from, d.back, bytes)
-    {
-        write_back.target(from, output);
+    if op.write_back {
+        write_back.target(memory, from, d.back, bytes);
     }
     // The fold's last step stores its result in the peers' outputs too.
     let also = match step {
@@ -595,11 +596,8 @@ pub(super) unsafe fn advance_fold(
     }
     let (memory, _, _) = single_copy_parts(conns)?;
     for (k, step) in run.iter().enumerate() {
-        if let Some(from) = step.recv_from()
-            && back[k] != 0
-            && let Some(output) = memory.writable(from, back[k], len * elem)
-        {
-            st.write_back.target(from, output);
+        if let Some(from) = step.recv_from() {
+            st.write_back.target(memory, from, back[k], len * elem);
         }
     }
     // The partial results of a slice live in a tile of their own, the start of the
