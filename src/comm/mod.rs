@@ -1032,17 +1032,7 @@ impl Communicator {
             Error::Aborted { reason, .. } => reason.clone(),
             other => other.to_string(),
         });
-        let why = match e {
-            Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
-            Error::Timeout {
-                stalled: Some(s), ..
-            } => Closed::PeerFailed(*s),
-            Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
-                Closed::PeerFailed(waiting_on[0])
-            }
-            _ => Closed::ByOwner,
-        };
-        conns.close(why);
+        conns.close(engine::closed_after(e));
         tracing::warn!("rank {}: {e}; communicator aborted", self.rank);
     }
 

@@ -562,3 +562,61 @@ fn results_stream_where_the_outputs_of_a_cpus_ranks_outgrow_its_caches() {
         );
     }
 }
+
+/// A rank whose single-copy call fails returns, and its caller may free the buffers it
+/// published, while a peer of its process has yet to read them: the peer must fail
+/// without reading (here the buffers are unmapped, so a read would fault). Three
+/// threads, two-shot over single copy, after a call that made the FIFOs: ranks 0 and 1
+/// time out waiting for rank 2, free their buffers, and only then does rank 2 call,
+/// finding their pieces published.
+#[test]
+fn a_rank_that_failed_lets_no_peer_read_its_freed_buffers() {
+    use crate::plan::Algorithm;
+    use std::sync::Barrier;
+    let config = CommConfig {
+        timeout: std::time::Duration::from_millis(300),
+        algorithms: vec![Algorithm::TwoShot],
+        protocols: vec![Protocol::SingleCopy],
+        ..CommConfig::default()
+    };
+    let cs = Communicator::init_all_with(3, config).unwrap();
+    let count = 1 << 20;
+    let freed = Barrier::new(3);
+    let out = on_all(&cs, |c| {
+        let mut whole = vec![1f32; count];
+        c.all_reduce_in_place(&mut whole, ReduceOp::Sum).unwrap();
+        assert!(whole.iter().all(|&x| x == 3.0));
+        if c.rank() == 2 {
+            freed.wait();
+        }
+        let bytes = count * std::mem::size_of::<f32>();
+        let mut input = memmap2::MmapMut::map_anon(bytes).unwrap();
+        let mut output = memmap2::MmapMut::map_anon(bytes).unwrap();
+        input.fill(1);
+        // SAFETY: the mappings are `bytes` long and page-aligned: `count` f32s each,
+        // which live until the mappings are dropped below.
+        let (send, recv) = unsafe {
+            (
+                std::slice::from_raw_parts(input.as_ptr().cast::<f32>(), count),
+                std::slice::from_raw_parts_mut(output.as_mut_ptr().cast::<f32>(), count),
+            )
+        };
+        let result = c.all_reduce(send, recv, ReduceOp::Sum);
+        drop((input, output));
+        if c.rank() != 2 {
+            freed.wait();
+        }
+        result
+    });
+    for (rank, r) in out.iter().enumerate() {
+        let err = r
+            .as_ref()
+            .expect_err("a call with a missing rank succeeded");
+        assert!(err.to_string().contains("rank "), "rank {rank}: {err}");
+    }
+    assert!(
+        matches!(out[2], Err(Error::PeerFailed { .. })),
+        "rank 2 should find its peers gone: {:?}",
+        out[2]
+    );
+}

@@ -32,6 +32,7 @@ use crate::plan::{Buf, Plan, Region, Step};
 use crate::reduce::Kernel;
 use crate::reduce::copy::{copy, copy_maybe_overlapping};
 use crate::reduce::stream::{MAX_STREAMED, stream_copy, stream_copy_keeping};
+use crate::transport::bell::Closed;
 use crate::transport::fifo::RecvEnd;
 use crate::transport::lazy::FifoNeed;
 use crate::transport::{Connections, Protocol};
@@ -307,17 +308,36 @@ unsafe fn run_lanes(
         posted: PostedRegions::new(call),
         trace,
     };
-    loop {
-        // SAFETY: forwarded from this function's contract.
-        let progressed = unsafe { run.sweep(conns)? };
-        if run.done() && run.posted.prune(conns) {
-            return Ok(());
+    // A single-copy call reads regions its peers publish, which a peer that fails the
+    // call waits out before returning (`PostedRegions::wait_out_readers`).
+    let reads_peers = ops.iter().any(|op| op.protocol == Protocol::SingleCopy);
+    if reads_peers {
+        conns.bell().start_reading(call.seq);
+    }
+    // SAFETY: forwarded from this function's contract.
+    let result = unsafe { run.run_to_the_end(conns, call, waiting) };
+    if reads_peers {
+        conns.bell().stop_reading();
+        if let Err(e) = &result {
+            run.posted.wait_out_readers(conns, closed_after(e));
         }
-        if progressed {
-            waiting.progressed();
-            continue;
+    }
+    result
+}
+
+/// How a rank that failed a call with `e` closes its communicator, telling its peers
+/// which rank failed first, as far as it knows: the one it saw fail, the stalled one its
+/// wait led to, or the one it timed out waiting for (itself, `ByOwner`, otherwise).
+pub(crate) fn closed_after(e: &Error) -> Closed {
+    match e {
+        Error::PeerFailed { failed_rank, .. } => Closed::PeerFailed(*failed_rank),
+        Error::Timeout {
+            stalled: Some(s), ..
+        } => Closed::PeerFailed(*s),
+        Error::Timeout { waiting_on, .. } if !waiting_on.is_empty() => {
+            Closed::PeerFailed(waiting_on[0])
         }
-        waiting.idle(conns, call, &mut run)?;
+        _ => Closed::ByOwner,
     }
 }
 
@@ -346,6 +366,31 @@ impl<T: Fn(usize) -> Option<StepTrace>> Sweeps<'_, T> {
                 &mut self.posted,
                 &self.trace,
             )
+        }
+    }
+
+    /// Sweeps and waits until every lane is done and every region it published
+    /// released, or the call fails.
+    ///
+    /// # Safety
+    /// As [`execute`], for the plan and buffers it was made with.
+    unsafe fn run_to_the_end(
+        &mut self,
+        conns: &mut Connections,
+        call: &CallInfo,
+        waiting: &mut Waiting,
+    ) -> Result<()> {
+        loop {
+            // SAFETY: forwarded from this function's contract.
+            let progressed = unsafe { self.sweep(conns)? };
+            if self.done() && self.posted.prune(conns) {
+                return Ok(());
+            }
+            if progressed {
+                waiting.progressed();
+                continue;
+            }
+            waiting.idle(conns, call, self)?;
         }
     }
 

@@ -8,7 +8,9 @@
 //! may write the region again. A step that sends publishes a descriptor of the region
 //! it sends (its source, or the destination it has just written) and records it in
 //! [`PostedRegions`]: until the peer releases it, no step of this rank writes memory
-//! that overlaps it, and the call does not return.
+//! that overlaps it, and the call does not return. A call that fails returns once no
+//! thread of this process may still read what it published
+//! ([`PostedRegions::wait_out_readers`]).
 //!
 //! In a two-shot all-reduce ([`OpBuffers::write_back`]) the descriptor of an input's
 //! piece also names where the sender's result for it goes; the piece's owner, when it
@@ -19,6 +21,8 @@
 //! failed owner leaves the receive waiting until the failure is named, as any
 //! receive's.
 
+use std::time::{Duration, Instant};
+
 use super::{
     LaneState, OpBuffers, SliceSlots, addr, move_slice, no_connection, op_of, reduce_piece, shifted,
 };
@@ -26,6 +30,7 @@ use crate::error::{CallInfo, Error, Result};
 use crate::plan::{Buf, Region, Step};
 use crate::reduce::copy::copy_maybe_overlapping;
 use crate::reduce::stream::MAX_STREAMED;
+use crate::transport::bell::Closed;
 use crate::transport::single_copy::{DESCRIPTOR_BYTES, Descriptor, NEEDS_PRE, PeerMemory, WRITTEN};
 use crate::transport::{Connections, PeerState};
 
@@ -170,7 +175,54 @@ impl<'a> PostedRegions<'a> {
     pub(super) fn readers(&self) -> impl Iterator<Item = usize> + '_ {
         self.list.iter().map(|p| p.peer)
     }
+
+    /// After the call failed (and this rank stopped reading its peers' regions): when a
+    /// thread of this process may still read a region the call published, tells the
+    /// peers this rank left (closes its bell with `why`), then waits until every such
+    /// region is released or its reader stopped reading (`Bell::reading`: its own call
+    /// ended, or failed), at most the call's timeout, so that the caller may free its
+    /// buffers once the call returns. A reader that had not begun sees the closed bell
+    /// before it reads (`peer_still_in_call`). Readers in other processes read through
+    /// their own mappings of windows, or through the kernel, which refuses unmapped
+    /// memory; what they read after the close they discard.
+    pub(super) fn wait_out_readers(&mut self, conns: &mut Connections, why: Closed) {
+        let seq = self.call.seq;
+        let in_process = |conns: &mut Connections, peer: usize| {
+            conns
+                .single_copy_parts()
+                .is_some_and(|(memory, _, _)| !memory.in_other_process(peer))
+        };
+        self.prune(conns);
+        self.list.retain(|p| in_process(conns, p.peer));
+        if self.list.is_empty() {
+            return;
+        }
+        conns.close(why);
+        let deadline = Instant::now() + self.call.timeout;
+        loop {
+            self.prune(conns);
+            self.list.retain(|p| conns.peer_reading(p.peer, seq));
+            if self.list.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "rank {}: {} #{seq} failed; ranks {:?} of this process still read \
+                     its buffers at the deadline",
+                    conns.rank(),
+                    self.call.op,
+                    self.readers().collect::<Vec<_>>()
+                );
+                return;
+            }
+            std::thread::sleep(READER_POLL);
+        }
+    }
 }
+
+/// How often a rank that failed a call looks whether its readers are done
+/// ([`PostedRegions::wait_out_readers`]).
+const READER_POLL: Duration = Duration::from_micros(50);
 
 /// The region a step writes (its destination), if any: a copy onto itself (in place)
 /// writes nothing, unless it applies a reducing op's pre-operation.
@@ -359,6 +411,7 @@ unsafe fn receive(
     let Some(d) = peek_descriptor(step, channel, from, op, conns)? else {
         return Ok(Received::NotYet);
     };
+    peer_still_in_call(from, conns, call)?;
     let (memory, stage, stage_bytes) = single_copy_parts(conns)?;
     let pre = d.flags & NEEDS_PRE != 0;
     let written = d.flags & WRITTEN != 0;
@@ -503,11 +556,25 @@ fn settle(
     call: &CallInfo,
     read: std::result::Result<(), String>,
 ) -> Result<()> {
-    // A peer leaves a failed call only after closing its bell (`Communicator::fail_after`),
-    // and only then may its owner free the region: if the bell is still open after the
-    // read, what was read is what the peer published. If it is closed, or the read
-    // failed, the call fails, naming whom the peer blames (or the peer).
+    // A peer leaves a failed call only after closing its bell, and only then may its
+    // owner free the region: if the bell is still open after the read, what was read is
+    // what the peer published.
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    peer_stayed(from, conns, call, read)?;
+    let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
+    recv.ok_or_else(|| no_connection(step, channel))?.release();
+    conns.ring_recv(channel, from);
+    Ok(())
+}
+
+/// Fails the call, naming whom `from` blames (or `from`), when `from` has closed its
+/// bell (it left the call: a failure) or `read`, a read of its memory, failed.
+fn peer_stayed(
+    from: usize,
+    conns: &Connections,
+    call: &CallInfo,
+    read: std::result::Result<(), String>,
+) -> Result<()> {
     let left = matches!(conns.peer_state(from, false), PeerState::Closed(_));
     if left || read.is_err() {
         let why = read.err().unwrap_or_else(|| {
@@ -516,10 +583,22 @@ fn settle(
         let failure = conns.peer_failure(&[from], true).unwrap_or((from, why));
         return Err(call.peer_failed(conns.rank(), failure));
     }
-    let (_, recv) = conns.ends(channel, op.protocol, None, Some(from));
-    recv.ok_or_else(|| no_connection(step, channel))?.release();
-    conns.ring_recv(channel, from);
     Ok(())
+}
+
+/// Before reading a region `from` published: when `from` is a thread of this process,
+/// fails the call if it has left it. A thread that fails a call returns, and its caller
+/// may free the region, only after closing its bell and waiting out the peers that said
+/// they read ([`PostedRegions::wait_out_readers`]); this rank said so when its call began
+/// (`Bell::start_reading`), so an open bell now keeps the region alive until this rank
+/// releases it. Another process's region needs no look: a window stays mapped here, and
+/// the kernel refuses `process_vm_readv` of unmapped memory.
+fn peer_still_in_call(from: usize, conns: &mut Connections, call: &CallInfo) -> Result<()> {
+    let (memory, _, _) = single_copy_parts(conns)?;
+    match memory.in_other_process(from) {
+        true => Ok(()),
+        false => peer_stayed(from, conns, call, Ok(())),
+    }
 }
 
 /// Bytes of the slices a whole fold runs in ([`advance_fold`]): the partial result of a
@@ -593,6 +672,9 @@ pub(super) unsafe fn advance_fold(
             Some(region) if d.flags == 0 => (inbound[k], back[k]) = (region, d.back),
             _ => return Ok(None),
         }
+    }
+    for from in run.iter().filter_map(Step::recv_from) {
+        peer_still_in_call(from, conns, posted.call)?;
     }
     let (memory, _, _) = single_copy_parts(conns)?;
     for (k, step) in run.iter().enumerate() {

@@ -8,7 +8,10 @@
 //! busy path costs no system call. The `closed` and `cause` words let a rank that leaves
 //! (destroy, abort, or failure) tell everyone waiting on it, and why. The `waiting_on`
 //! and `wakes` words let a rank that timed out follow the chain of waits to the rank
-//! that stalls it ([`super::Connections::stalled_rank`]).
+//! that stalls it ([`super::Connections::stalled_rank`]). The `reading` word says
+//! whether the rank may still read regions its peers published by reference in a call
+//! (single copy), which a peer that fails the call waits out before it lets its caller
+//! free them ([`super::single_copy`]).
 //!
 //! Ringing and going to sleep are a Dekker pair: the ringer publishes its slot, then
 //! reads `sleeping`; the sleeper raises `sleeping`, then looks at its FIFOs once more.
@@ -68,6 +71,15 @@ pub const MAX_WAITING_ON: usize = 8;
 /// Bumped every time the owner wakes from a sleep: a waiting rank whose count stands
 /// still is not running (stopped, or busy outside the wait).
 const WAKES: usize = 320;
+/// While the owner may read regions its peers published by reference in a single-copy
+/// call: that call's tag ([`call_tag`]); 0 otherwise.
+const READING: usize = 384;
+
+/// The word [`Bell::start_reading`] stores for call `seq` (never 0: two calls 2³²
+/// apart share a tag, which only makes a failed peer wait for the later one).
+fn call_tag(seq: u64) -> u32 {
+    (seq as u32).wrapping_add(1).max(1)
+}
 
 impl Bell {
     /// Formats a new, zeroed segment of at least [`BELL_BYTES`] bytes as the bell this
@@ -187,6 +199,23 @@ impl Bell {
     /// How many times the owner woke from a sleep (wraps).
     pub fn wakes(&self) -> u32 {
         self.word(WAKES).load(Ordering::Relaxed)
+    }
+
+    /// The owner may read, from now until [`Bell::stop_reading`], regions its peers
+    /// publish in call `seq`. Sequentially consistent, as a peer's close: an owner that
+    /// then reads a peer's open bell knows the peer will see this before it leaves.
+    pub fn start_reading(&self, seq: u64) {
+        self.word(READING).store(call_tag(seq), Ordering::SeqCst);
+    }
+
+    /// The owner reads no region of its peers any more (its call ended, or failed).
+    pub fn stop_reading(&self) {
+        self.word(READING).store(0, Ordering::SeqCst);
+    }
+
+    /// Whether the owner may still read regions published in call `seq`.
+    pub fn reading(&self, seq: u64) -> bool {
+        self.word(READING).load(Ordering::SeqCst) == call_tag(seq)
     }
 
     /// The owner decided not to sleep after [`Bell::prepare_sleep`].

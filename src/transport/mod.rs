@@ -955,6 +955,12 @@ impl Connections {
         None
     }
 
+    /// Whether `peer`, a rank of this host, may still read regions this rank published
+    /// by reference in call `seq` ([`Bell::reading`]); `false` for a peer with no bell.
+    pub fn peer_reading(&self, peer: usize, seq: u64) -> bool {
+        matches!(self.peer_bells.get(peer), Some(Some(b)) if b.reading(seq))
+    }
+
     /// What this rank can tell about `peer`. `check_process` also asks the kernel
     /// whether its process still exists (a system call; the flags are free).
     pub fn peer_state(&self, peer: usize, check_process: bool) -> PeerState {
