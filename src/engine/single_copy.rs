@@ -187,13 +187,11 @@ impl<'a> PostedRegions<'a> {
     /// memory; what they read after the close they discard.
     pub(super) fn wait_out_readers(&mut self, conns: &mut Connections, why: Closed) {
         let seq = self.call.seq;
-        let in_process = |conns: &mut Connections, peer: usize| {
-            conns
-                .single_copy_parts()
-                .is_some_and(|(memory, _, _)| !memory.in_other_process(peer))
-        };
         self.prune(conns);
-        self.list.retain(|p| in_process(conns, p.peer));
+        let Some((memory, _, _)) = conns.single_copy_parts() else {
+            return;
+        };
+        self.list.retain(|p| !memory.in_other_process(p.peer));
         if self.list.is_empty() {
             return;
         }
